@@ -1,0 +1,146 @@
+"""Spawn N gloo ranks on 127.0.0.1 for one test, with a hard timeout.
+
+    results = run_ranks(worker, world_size=4, args=(tmp_path,), timeout_s=120)
+
+``worker(rank, world_size, *args)`` runs in a fresh process (start method "spawn")
+with the environment a launcher would give it (MASTER_ADDR/PORT, RANK, WORLD_SIZE,
+LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK), so Lightning's ``LightningEnvironment`` sees
+externally created processes and ``Trainer(devices=world_size)`` joins them. With
+``init_process_group=True`` the harness also creates the default gloo group before
+calling the worker (for engine tests that use no Trainer).
+
+Whatever the worker returns (picklable) comes back as ``results[rank]``. An exception
+on any rank fails the test with that rank's traceback; a rank that has not finished
+after ``timeout_s`` is killed with the others and the test fails instead of hanging.
+Ranks share one machine, so each is pinned to one intra-op thread: with 4 ranks on
+2 cores, more threads only thrash.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    args: tuple,
+    env: dict[str, str],
+    init_process_group: bool,
+    out: mp.Queue,
+) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        NODE_RANK="0",
+        GLOO_SOCKET_IFNAME=env.get("GLOO_SOCKET_IFNAME", "lo"),
+    )
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        if init_process_group:
+            import torch.distributed as dist
+
+            dist.init_process_group(
+                "gloo",
+                init_method=f"tcp://127.0.0.1:{port}",
+                rank=rank,
+                world_size=world_size,
+                timeout=timedelta(seconds=60),
+            )
+        result = fn(rank, world_size, *args)
+        out.put((rank, True, result))
+    except BaseException:  # noqa: BLE001 - the traceback is the test's failure message
+        out.put((rank, False, traceback.format_exc()))
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple = (),
+    *,
+    timeout_s: float = 180,
+    env: dict[str, str] | None = None,
+    init_process_group: bool = False,
+) -> list[Any]:
+    ctx = mp.get_context("spawn")
+    out: mp.Queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_entry,
+            args=(fn, rank, world_size, port, args, dict(env or {}), init_process_group, out),
+            daemon=False,
+        )
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    failures: list[str] = []
+    try:
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while len(results) + len(failures) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(world_size)) - set(results))
+                raise TimeoutError(
+                    f"ranks {missing} did not finish within {timeout_s:.0f}s "
+                    f"(finished: {sorted(results)}); killed all ranks"
+                    + ("\n" + "\n".join(failures) if failures else "")
+                )
+            try:
+                rank, ok, payload = out.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                # A rank that died without reporting (segfault, os._exit) would otherwise
+                # make us wait for the full timeout.
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
+                if dead and not failures:
+                    failures.append(f"rank(s) {dead} exited with codes {[procs[r].exitcode for r in dead]}")
+                    break
+                continue
+            if ok:
+                results[rank] = payload
+            else:
+                failures.append(f"--- rank {rank} ---\n{payload}")
+                # One failed rank usually leaves the others blocked in a collective.
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not failures else 0.5)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        out.close()
+    if failures:
+        raise AssertionError("distributed worker failed:\n" + "\n".join(failures))
+    return [results[r] for r in range(world_size)]
