@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import traceback
@@ -70,7 +71,9 @@ def _entry(
                 timeout=timedelta(seconds=60),
             )
         result = fn(rank, world_size, *args)
-        out.put((rank, True, result))
+        # Plain pickle bytes: torch's multiprocessing would pass tensors as shared-memory
+        # handles that vanish when this process exits.
+        out.put((rank, True, pickle.dumps(result)))
     except BaseException:  # noqa: BLE001 - the traceback is the test's failure message
         out.put((rank, False, traceback.format_exc()))
     finally:
@@ -128,7 +131,7 @@ def run_ranks(
                     break
                 continue
             if ok:
-                results[rank] = payload
+                results[rank] = pickle.loads(payload)
             else:
                 failures.append(f"--- rank {rank} ---\n{payload}")
                 # One failed rank usually leaves the others blocked in a collective.

@@ -1,0 +1,119 @@
+"""Small LightningModules shared by the distributed tests.
+
+Dimensions are odd on purpose (37, 13, 5 rows...) so that every shard layout is
+uneven: some ranks own fewer rows, and at 4 ranks a 3-row tensor leaves a rank empty.
+"""
+
+from __future__ import annotations
+
+import torch
+from lightning.pytorch import LightningModule
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+WIDTH = 37
+
+
+class Block(nn.Module):
+    def __init__(self, width: int = WIDTH) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, 2 * width + 1)
+        self.fc2 = nn.Linear(2 * width + 1, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
+
+
+class Net(nn.Module):
+    def __init__(self, width: int = WIDTH, depth: int = 3, vocab: int = 13) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.head = nn.Linear(width, 5)
+        self.scale = nn.Parameter(torch.tensor(1.0))  # a 0-dim parameter
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:  # idx: (B, T) -> (B, 5)
+        x = self.embed(idx)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x.mean(dim=1)) * self.scale
+
+
+def dataset(n: int = 160, seq: int = 6, vocab: int = 13, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, vocab, (n, seq), generator=g)
+    y = torch.randint(0, 5, (n,), generator=g)
+    return TensorDataset(x, y)
+
+
+class ParityModule(LightningModule):
+    """Built in configure_model (so stage 2/3 shard it); AdamW with weight decay."""
+
+    def __init__(self, freeze_first_block: bool = False, lr: float = 1e-2, meta_init: bool = False) -> None:
+        super().__init__()
+        self.freeze_first_block = freeze_first_block
+        self.lr = lr
+        self.meta_init = meta_init
+        self.net: Net | None = None
+
+    def configure_model(self) -> None:
+        if self.net is not None:
+            return
+        torch.manual_seed(1234)  # same init on every rank and under every strategy
+        self.net = Net()
+        if self.freeze_first_block:
+            self.net.blocks[0].requires_grad_(False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.net(idx)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x), y)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self(x), y), sync_dist=True)
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("test_loss", nn.functional.cross_entropy(self(x), y), sync_dist=True)
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0]).argmax(-1)
+
+    def configure_optimizers(self):
+        params = [p for p in self.parameters() if p.requires_grad]
+        return torch.optim.AdamW(params, lr=self.lr, weight_decay=0.1)
+
+    def train_dataloader(self):
+        return DataLoader(dataset(), batch_size=4, shuffle=False)
+
+    def val_dataloader(self):
+        return DataLoader(dataset(n=24, seed=1), batch_size=4)
+
+    def test_dataloader(self):
+        return DataLoader(dataset(n=24, seed=2), batch_size=4)
+
+    def predict_dataloader(self):
+        return DataLoader(dataset(n=16, seed=3), batch_size=4)
+
+
+def trainer_kwargs(devices: int, **overrides):
+    kw = dict(
+        accelerator="cpu",
+        devices=devices,
+        max_steps=10,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        deterministic=True,
+    )
+    kw.update(overrides)
+    return kw

@@ -1,0 +1,530 @@
+"""ZeroConfig: the one typed, validated configuration of a ZeRO / ZeRO++ run.
+
+    from zeropp_strategy.config import ZeroConfig
+    cfg = ZeroConfig(stage=3, quantized_weights=True, hpz_partition_size=8, quantized_gradients=True)
+    cfg = ZeroConfig.from_file("ds_config.json")  # a DeepSpeed JSON, or our own YAML / JSON
+
+Every value is checked once, here, in ``__post_init__``: a bad value then fails on every rank
+before the first collective (an error on one rank alone would hang the others). Errors name the
+field, the value, why it is wrong and the fix; wrong types raise TypeError, bad values ValueError:
+
+    ZeroConfig.stage=4 is invalid: must be 1, 2 or 3. Fix: use stage=3 for full sharding, ...
+
+Checks that need the job size live in ``validate_for_world``. Stdlib + yaml only: no torch, no
+Lightning. Tests: python -m pytest tests/test_config.py -q
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import numbers
+import os
+import re
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NoReturn
+
+import yaml
+
+__all__ = ["OffloadConfig", "ZeroConfig", "ZeroConfigWarning"]
+
+
+class ZeroConfigWarning(UserWarning):
+    """A setting was read but not used (e.g. DeepSpeed keys that have no ZeroConfig field)."""
+
+
+# -- checking helpers: every user error goes through _invalid, so all share one form ----------
+
+
+def _invalid(where: str, value: object, why: str, fix: str, exc: type[Exception] = ValueError) -> NoReturn:
+    end = "" if fix.endswith((".", "?")) else "."
+    raise exc(f"{where}={value!r} is invalid: {why}. Fix: {fix}{end}")
+
+
+def _int(where: str, value: object, fix: str) -> int:
+    # bool is an int subclass, but True is never a sensible count: reject it.
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        _invalid(where, value, f"must be an int, not {type(value).__name__}", fix, TypeError)
+    return int(value)
+
+
+def _bool(where: str, value: object, fix: str) -> bool:
+    if not isinstance(value, bool):
+        _invalid(where, value, f"must be True or False, not {type(value).__name__}", fix, TypeError)
+    return value
+
+
+def _at_least(where: str, value: object, low: int, fix: str) -> int:
+    n = _int(where, value, fix)
+    if n < low:
+        _invalid(where, value, f"must be >= {low}", fix)
+    return n
+
+
+def _block_elems(where: str, value: object) -> int:
+    fix = "use a power of two between 32 and 65536, e.g. 256"
+    n = _int(where, value, fix)
+    if not (32 <= n <= 65536 and n & (n - 1) == 0):
+        _invalid(where, value, "must be a power of two between 32 and 65536 (one fp32 scale per block)", fix)
+    return n
+
+
+def _check_keys(d: Mapping[Any, Any], valid: tuple[str, ...], where: str) -> None:
+    """Reject unknown keys, suggesting the closest valid name: a typo must not pass silently."""
+    for key, value in d.items():
+        if not isinstance(key, str):
+            _invalid(f"{where}[{key!r}]", value, "keys must be field names (str)", f"use one of: {', '.join(valid)}",
+                     TypeError)
+        if key in valid:
+            continue
+        close = difflib.get_close_matches(key, valid, n=1)
+        if where == "ZeroConfig" and key in _DS_TOP_LEVEL_KEYS:
+            fix = "this looks like a DeepSpeed config; load it with ZeroConfig.from_deepspeed(...)"
+        else:
+            fix = f"did you mean {close[0]!r}?" if close else f"use one of: {', '.join(valid)}"
+        _invalid(f"{where}.{key}", value, "no such field", fix)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OffloadConfig:
+    """Where optimizer state (``offload_optimizer``) or parameter shards (``offload_param``) live."""
+
+    device: str = "none"
+    """One of "none" (accelerator memory), "cpu" (host memory), "nvme" (swap files in ``nvme_path``)."""
+    nvme_path: str | None = None
+    """Directory for the swap files; required when ``device == "nvme"``, unused otherwise."""
+    pin_memory: bool = True
+    """Page-lock host buffers, so host <-> device copies are asynchronous and faster."""
+    buffer_count: int = 4
+    """Swap buffers in the pipeline; >= 2, so one is read while another is in use."""
+    buffer_bytes: int = 64 * 2**20
+    """Bytes per swap buffer (>= 4096)."""
+
+    def __post_init__(self) -> None:
+        w, dev, path = "OffloadConfig", self.device, self.nvme_path
+        put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen: normalise once)
+        if not isinstance(dev, str):
+            _invalid(f"{w}.device", dev, f"must be a str, not {type(dev).__name__}", "use 'none', 'cpu' or 'nvme'",
+                     TypeError)
+        if dev not in ("none", "cpu", "nvme"):
+            _invalid(f"{w}.device", dev, "must be 'none', 'cpu' or 'nvme'",
+                     "use 'cpu' for host memory, 'nvme' with an nvme_path, or 'none'")
+        if path is not None and not isinstance(path, (str, os.PathLike)):
+            _invalid(f"{w}.nvme_path", path, f"must be a str path or None, not {type(path).__name__}",
+                     "give a directory such as '/local_nvme'", TypeError)
+        put("nvme_path", None if path is None else os.fspath(path))
+        if dev == "nvme" and not path:
+            _invalid(f"{w}.nvme_path", path, "device='nvme' needs a directory for its swap files",
+                     "set nvme_path to a directory on a local NVMe drive, e.g. '/local_nvme'")
+        _bool(f"{w}.pin_memory", self.pin_memory, "use True (faster copies) or False (if pinned memory is scarce)")
+        fix = "use buffer_count=4 (at least 2, to overlap swapping with compute)"
+        put("buffer_count", _at_least(f"{w}.buffer_count", self.buffer_count, 2, fix))
+        put("buffer_bytes", _at_least(f"{w}.buffer_bytes", self.buffer_bytes, 4096, "use 64 * 2**20 (at least 4096)"))
+
+
+_OFFLOAD_FIELDS = tuple(f.name for f in dataclasses.fields(OffloadConfig))
+
+
+def _offload_from(value: object, where: str) -> OffloadConfig:
+    """An OffloadConfig, a dict of its fields, or a bare device string such as "cpu"."""
+    if isinstance(value, OffloadConfig):
+        return value
+    if isinstance(value, str):
+        value = {"device": value}
+    if not isinstance(value, Mapping):
+        _invalid(where, value, f"must be an OffloadConfig, a dict or a device string, not {type(value).__name__}",
+                 "use e.g. 'cpu' or {'device': 'nvme', 'nvme_path': '/local_nvme'}", TypeError)
+    _check_keys(value, _OFFLOAD_FIELDS, where)
+    try:
+        return OffloadConfig(**value)
+    except (ValueError, TypeError) as e:  # name the nested field: ZeroConfig.offload_param.device
+        raise type(e)(str(e).replace("OffloadConfig", where, 1)) from None
+
+
+def _wrap_names(value: object, where: str) -> tuple[str, ...]:
+    """A list/tuple (or a single one) of class names or classes -> tuple of unique names, in order."""
+    fix = "give class names such as ['LlamaDecoderLayer'] (or the classes), or () for auto"
+    items = (value,) if isinstance(value, (str, type)) else value
+    if not isinstance(items, (list, tuple)):
+        _invalid(where, value, f"must be a list or tuple, not {type(value).__name__}", fix, TypeError)
+    names: list[str] = []
+    for item in items:
+        name = item.__name__ if isinstance(item, type) else item
+        if not isinstance(name, str):
+            _invalid(where, value, f"holds {item!r}, which is neither a str nor a class", fix, TypeError)
+        if not name.isidentifier():
+            _invalid(where, value, f"{name!r} is not a class name (blocks match on type(m).__name__)", fix)
+        if name not in names:
+            names.append(name)
+    return tuple(names)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroConfig:
+    """Everything that decides how a model is sharded and communicated. Immutable and validated."""
+
+    stage: int = 3
+    """ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters."""
+    quantized_weights: bool = False
+    """qwZ: all-gather stage-3 parameters as int8 blocks (one fp32 scale each). Stage 3 only."""
+    weight_quant_block_elems: int = 256
+    """Elements per qwZ quantization block: a power of two in 32..65536."""
+    hpz_partition_size: int = 1
+    """hpZ: ranks in a group holding a secondary parameter shard (usually ranks per node); 1 = off.
+    Backward then all-gathers within the group, not across nodes. > 1 needs stage 3."""
+    quantized_gradients: bool = False
+    """qgZ: hierarchical quantized gradient reduce-scatter (intra-node, then inter-node). Stage 2 or 3."""
+    gradient_quant_bits: int = 4
+    """Bits per quantized gradient element in qgZ: 4 or 8."""
+    gradient_quant_block_elems: int = 256
+    """Elements per qgZ quantization block: a power of two in 32..65536."""
+    quantized_gradients_on_single_node: bool = False
+    """Use qgZ even when all ranks share one node (by default it falls back to the plain
+    reduce-scatter there: quantizing costs time and saves no slow-link bytes)."""
+    quantize_min_elems: int = 4096
+    """Tensors with fewer elements than this use the plain collective (>= 0)."""
+    quantize_frozen_weights: bool = False
+    """Store the shards of frozen (requires_grad=False) parameters as int8. Stage 3 only."""
+    offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
+    """Optimizer state and fp32 master weights: device memory, CPU or NVMe. Any stage.
+    Also accepts a dict of OffloadConfig fields, or a device string such as "cpu"."""
+    offload_param: OffloadConfig = field(default_factory=OffloadConfig)
+    """Parameter shards: device memory, CPU or NVMe; not "none" needs stage 3. Dict or str accepted."""
+    wrap_modules: tuple[str, ...] = ()
+    """Class names of the blocks sharded as one group each (e.g. "LlamaDecoderLayer"). Accepts a
+    list/tuple of names or classes; () = auto (HF ``_no_split_modules``, else by size)."""
+    wrap_min_params: int = 1_000_000
+    """Size-based fallback: a submodule with at least this many parameters gets its own group."""
+    activation_checkpointing: bool = False
+    """Recompute each wrapped block's activations in backward instead of storing them."""
+    reduce_bucket_bytes: int = 25 * 2**20
+    """Stage 1: bytes of gradients all-reduced per bucket (>= 1024)."""
+    allgather_bucket_bytes: int = 50 * 2**20
+    """Stage 1: bytes of updated parameters all-gathered per bucket after the step (>= 1024)."""
+    state_dict_type: str | None = None
+    """Checkpoints: "sharded" (a file per rank), "full" (one consolidated state dict on rank 0) or
+    None = "sharded" for stages 2/3, "full" for stage 1 (see ``resolved_state_dict_type``)."""
+    simulated_nodes: int = 0
+    """0 = real topology; N > 0 splits one machine's ranks into N simulated nodes, so hierarchical
+    (inter-node) collectives run for real in tests and benchmarks."""
+
+    def __post_init__(self) -> None:
+        w = "ZeroConfig"
+        put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen: normalise once)
+        stage_fix = "use stage=3 for full sharding, or strategy='ddp' for none"
+        if _int(f"{w}.stage", self.stage, stage_fix) not in (1, 2, 3):
+            _invalid(f"{w}.stage", self.stage, "must be 1, 2 or 3", stage_fix)
+        put("stage", stage := int(self.stage))
+        for name in _BOOL_FIELDS:
+            _bool(f"{w}.{name}", getattr(self, name), f"use {name}=True or {name}=False")
+        for name, (low, fix) in _INT_MINIMUMS.items():
+            put(name, _at_least(f"{w}.{name}", getattr(self, name), low, fix))
+        for name in ("weight_quant_block_elems", "gradient_quant_block_elems"):
+            put(name, _block_elems(f"{w}.{name}", getattr(self, name)))
+        if _int(f"{w}.gradient_quant_bits", self.gradient_quant_bits, "use 4 or 8") not in (4, 8):
+            _invalid(f"{w}.gradient_quant_bits", self.gradient_quant_bits, "must be 4 or 8",
+                     "use 4 (least traffic) or 8 (more precise)")
+        put("gradient_quant_bits", int(self.gradient_quant_bits))
+        sdt, sdt_fix = self.state_dict_type, "use 'sharded' (a file per rank), 'full' (one file) or None (stage default)"
+        if sdt is not None and not isinstance(sdt, str):
+            _invalid(f"{w}.state_dict_type", sdt, f"must be a str or None, not {type(sdt).__name__}", sdt_fix, TypeError)
+        if sdt not in (None, "sharded", "full"):
+            _invalid(f"{w}.state_dict_type", sdt, "must be 'sharded', 'full' or None", sdt_fix)
+        put("offload_optimizer", _offload_from(self.offload_optimizer, f"{w}.offload_optimizer"))
+        put("offload_param", _offload_from(self.offload_param, f"{w}.offload_param"))
+        put("wrap_modules", _wrap_names(self.wrap_modules, f"{w}.wrap_modules"))
+
+        # Cross-field rules: each ZeRO++ feature rewrites a collective that only some stages have.
+        if self.quantized_weights and stage < 3:
+            _invalid(f"{w}.quantized_weights", True, "qwZ quantizes the parameter all-gather of stage 3, "
+                     f"and stage {stage} does not gather parameters", "set stage=3, or quantized_weights=False")
+        if self.hpz_partition_size > 1 and stage < 3:
+            _invalid(f"{w}.hpz_partition_size", self.hpz_partition_size, "hpZ keeps a secondary shard of "
+                     f"stage-3 parameters; stage {stage} does not shard them", "set stage=3, or hpz_partition_size=1")
+        if self.quantized_gradients and stage < 2:
+            _invalid(f"{w}.quantized_gradients", True, "qgZ replaces the gradient reduce-scatter of stages 2 "
+                     "and 3; stage 1 all-reduces gradients", "set stage=2 or 3, or quantized_gradients=False")
+        if self.quantize_frozen_weights and stage < 3:
+            _invalid(f"{w}.quantize_frozen_weights", True, f"only stage 3 stores parameter shards; stage {stage} "
+                     "keeps full parameters", "set stage=3, or quantize_frozen_weights=False")
+        if self.offload_param.device != "none" and stage < 3:
+            _invalid(f"{w}.offload_param.device", self.offload_param.device, "parameter offload needs "
+                     f"partitioned parameters (stage 3), not stage {stage}",
+                     "set stage=3, or offload_param='none' (offload_optimizer works with every stage)")
+
+    def resolved_state_dict_type(self) -> str:
+        """``state_dict_type`` with None resolved: "full" for stage 1, "sharded" for 2/3."""
+        if self.state_dict_type is not None:
+            return self.state_dict_type
+        return "full" if self.stage == 1 else "sharded"
+
+    def validate_for_world(self, world_size: int, ranks_per_node: int) -> None:
+        """Checks that need the job size. Call on every rank before any collective."""
+        w = "ZeroConfig.validate_for_world"
+        world_size = _at_least(f"{w}(world_size)", world_size, 1, "pass the number of ranks in the job")
+        ranks_per_node = _at_least(f"{w}(ranks_per_node)", ranks_per_node, 1, "pass the number of ranks per node")
+        if ranks_per_node > world_size:
+            _invalid(f"{w}(ranks_per_node)", ranks_per_node, f"exceeds world_size={world_size}",
+                     "pass the number of ranks per node")
+        hpz, nodes = self.hpz_partition_size, self.simulated_nodes
+        if hpz > world_size or world_size % hpz:
+            _invalid("ZeroConfig.hpz_partition_size", hpz, f"must divide world_size={world_size} (and be <= it) "
+                     "to split the ranks into equal hpZ groups",
+                     f"use a divisor of {world_size}, usually ranks per node ({ranks_per_node}), or 1 for no hpZ")
+        if nodes and (nodes > world_size or world_size % nodes):
+            _invalid("ZeroConfig.simulated_nodes", nodes, f"must divide world_size={world_size}, so every "
+                     "simulated node has as many ranks", f"use a divisor of {world_size}, or 0 for the real topology")
+
+    # -- serialisation ---------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able dict (offload blocks as dicts, wrap_modules as a list)."""
+        return {**dataclasses.asdict(self), "wrap_modules": list(self.wrap_modules)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ZeroConfig:
+        """Strict inverse of ``to_dict``: an unknown key raises ValueError with a suggestion."""
+        if not isinstance(d, Mapping):
+            _invalid("ZeroConfig.from_dict(d)", d, f"must be a dict, not {type(d).__name__}",
+                     "pass a mapping of field names to values", TypeError)
+        _check_keys(d, _FIELDS, "ZeroConfig")
+        return cls(**d)
+
+    def replace(self, **changes: Any) -> ZeroConfig:
+        """A copy with ``changes`` applied, validated again."""
+        _check_keys(changes, _FIELDS, "ZeroConfig")
+        return dataclasses.replace(self, **changes)
+
+    def digest(self) -> str:
+        """sha256 of the canonical JSON of ``to_dict()``: equal exactly on ranks whose configs agree."""
+        canon = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canon.encode()).hexdigest()
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str]) -> ZeroConfig:
+        """Load fields from a YAML file, at top level or under a ``zero:`` key."""
+        try:
+            data = yaml.safe_load(_read(path, "ZeroConfig.from_yaml"))
+        except yaml.YAMLError as e:
+            raise ValueError(f"ZeroConfig.from_yaml: {path} is not valid YAML: {e}") from None
+        return _from_loaded(cls, data, path, "ZeroConfig.from_yaml")
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> ZeroConfig:
+        """``.yaml``/``.yml`` -> from_yaml; ``.json`` -> from_deepspeed when it looks like a DeepSpeed
+        config (``zero_optimization`` or DeepSpeed top-level keys), else our fields as in from_yaml."""
+        suffix = Path(path).suffix.lower()
+        if suffix in (".yaml", ".yml"):
+            return cls.from_yaml(path)
+        if suffix != ".json":
+            raise ValueError(f"ZeroConfig.from_file: {path} has suffix {suffix!r}. Fix: use a .json, .yaml or .yml file.")
+        data = _load_json(path, "ZeroConfig.from_file")
+        if isinstance(data, Mapping) and _looks_like_deepspeed(data):
+            return _from_deepspeed(cls, data, str(path), warn=True, stacklevel=3)
+        return _from_loaded(cls, data, path, "ZeroConfig.from_file")
+
+    @classmethod
+    def from_deepspeed(cls, path_or_dict: str | os.PathLike[str] | Mapping[str, Any], *, warn: bool = True) -> ZeroConfig:
+        """Convert a DeepSpeed config (path of a JSON file, or the loaded dict) into a ZeroConfig.
+
+        Mapped from ``zero_optimization``: stage (0 is rejected: it is plain DDP),
+        zero_quantized_weights, zero_hpz_partition_size, zero_quantized_gradients,
+        zero_quantized_nontrainable_weights, offload_optimizer / offload_param (device, nvme_path,
+        pin_memory, buffer_count, buffer_size), reduce_bucket_size, allgather_bucket_size, and
+        [stage3_]gather_16bit_weights_on_model_save (true -> state_dict_type="full").
+
+        DeepSpeed sizes (reduce_bucket_size, allgather_bucket_size, buffer_size) count ELEMENTS;
+        ours count bytes. Each is multiplied by the element width: 2 bytes when the top-level
+        ``bf16`` or ``fp16`` block has ``"enabled": true``, else 4 (fp32, also for "auto").
+        The value "auto" (HF / Accelerate style) keeps our default; numbers may be floats or
+        strings such as 5e8 or "5e8".
+
+        Every other key, inside ``zero_optimization`` and at top level, is listed in one
+        ``ZeroConfigWarning``, with where the setting lives in Lightning when there is such a place.
+        """
+        if isinstance(path_or_dict, Mapping):
+            return _from_deepspeed(cls, path_or_dict, "<dict>", warn=warn, stacklevel=3)
+        if not isinstance(path_or_dict, (str, os.PathLike)):
+            _invalid("ZeroConfig.from_deepspeed(path_or_dict)", path_or_dict, "must be a path or a dict, not "
+                     f"{type(path_or_dict).__name__}", "pass the path of a DeepSpeed JSON file or its dict", TypeError)
+        data = _load_json(path_or_dict, "ZeroConfig.from_deepspeed")
+        if not isinstance(data, Mapping):
+            raise ValueError(f"ZeroConfig.from_deepspeed: {path_or_dict} holds a {type(data).__name__}, not a "
+                             "JSON object. Fix: pass a DeepSpeed config file.")
+        return _from_deepspeed(cls, data, str(path_or_dict), warn=warn, stacklevel=3)
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(ZeroConfig))
+_BOOL_FIELDS = ("quantized_weights", "quantized_gradients", "quantized_gradients_on_single_node",
+                "quantize_frozen_weights", "activation_checkpointing")
+_INT_MINIMUMS = {  # field -> (smallest valid value, fix)
+    "hpz_partition_size": (1, "use 1 to turn hpZ off, or the number of ranks per node"),
+    "quantize_min_elems": (0, "use 0 to quantize every tensor, or e.g. 4096"),
+    "wrap_min_params": (1, "use e.g. wrap_min_params=1_000_000"),
+    "reduce_bucket_bytes": (1024, "use e.g. reduce_bucket_bytes=25 * 2**20"),
+    "allgather_bucket_bytes": (1024, "use e.g. allgather_bucket_bytes=50 * 2**20"),
+    "simulated_nodes": (0, "use 0 for the real topology, or N > 0 to simulate N nodes"),
+}
+
+
+# -- files ------------------------------------------------------------------------------------
+
+
+def _read(path: object, who: str) -> str:
+    try:
+        return Path(path).expanduser().read_text()  # type: ignore[arg-type]
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{who}: no such file: {path}") from None
+    except IsADirectoryError:
+        raise ValueError(f"{who}: {path} is a directory. Fix: pass the config file itself.") from None
+
+
+def _load_json(path: object, who: str) -> Any:
+    try:
+        return json.loads(_read(path, who))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{who}: {path} is not valid JSON: {e}. Fix: correct the file there "
+                         "(`python -m json.tool FILE` points at the error).") from None
+
+
+def _from_loaded(cls: type[ZeroConfig], data: object, path: object, who: str) -> ZeroConfig:
+    """A loaded YAML / JSON document -> ZeroConfig, with the fields at top level or under ``zero``."""
+    fix = "Fix: write ZeroConfig fields as key: value pairs (e.g. 'stage: 3'), at top level or under 'zero:'."
+    if data is None:
+        raise ValueError(f"{who}: {path} is empty. {fix}")
+    if isinstance(data, Mapping) and "zero" in data:
+        data = data["zero"] if data["zero"] is not None else {}
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{who}: {path} holds a {type(data).__name__}, not a mapping of ZeroConfig fields. {fix}")
+    try:
+        return cls.from_dict(data)
+    except (ValueError, TypeError) as e:
+        raise type(e)(f"{e} (in {path})") from None
+
+
+# -- DeepSpeed import -------------------------------------------------------------------------
+# [Note: DeepSpeed sizes] DeepSpeed counts bucket and buffer sizes in elements of the
+# communication / parameter dtype; we count bytes. A size converts at 2 bytes per element when
+# bf16 or fp16 is enabled, else at 4 (fp32), so the buffers keep the size DeepSpeed gave them.
+
+_DS_ZERO_KEYS = {  # zero_optimization key -> (ZeroConfig field, kind); "elems" sizes become bytes
+    "stage": ("stage", "int"),
+    "zero_quantized_weights": ("quantized_weights", "value"),
+    "zero_hpz_partition_size": ("hpz_partition_size", "int"),
+    "zero_quantized_gradients": ("quantized_gradients", "value"),
+    "zero_quantized_nontrainable_weights": ("quantize_frozen_weights", "value"),
+    "reduce_bucket_size": ("reduce_bucket_bytes", "elems"),
+    "allgather_bucket_size": ("allgather_bucket_bytes", "elems"),
+}
+_DS_OFFLOAD_KEYS = {  # zero_optimization.offload_{optimizer,param} key -> (OffloadConfig field, kind)
+    "device": ("device", "value"),
+    "nvme_path": ("nvme_path", "value"),
+    "pin_memory": ("pin_memory", "value"),
+    "buffer_count": ("buffer_count", "int"),
+    "buffer_size": ("buffer_bytes", "elems"),
+}
+_DS_SAVE_KEYS = ("stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save")
+_DS_TOP_LEVEL_HINTS = {  # where the setting lives with Lightning instead
+    "gradient_clipping": "use Trainer(gradient_clip_val=...)",
+    "gradient_accumulation_steps": "use Trainer(accumulate_grad_batches=...)",
+    "bf16": "use Trainer(precision='bf16-mixed')",
+    "fp16": "use Trainer(precision='16-mixed')",
+    "amp": "use Trainer(precision=...)",
+    "train_micro_batch_size_per_gpu": "set your DataLoader batch_size",
+    "train_batch_size": "it is DataLoader batch_size x Trainer(accumulate_grad_batches) x world size",
+    "optimizer": "build it in LightningModule.configure_optimizers()",
+    "scheduler": "build it in LightningModule.configure_optimizers()",
+    "steps_per_print": "use Trainer(log_every_n_steps=...)",
+    "activation_checkpointing": "use ZeroConfig(activation_checkpointing=True)",
+}
+_DS_TOP_LEVEL_KEYS = frozenset(_DS_TOP_LEVEL_HINTS) | {
+    "zero_optimization", "wall_clock_breakdown", "zero_allow_untested_optimizer", "communication_data_type",
+    "prescale_gradients", "gradient_predivide_factor", "sparse_gradients", "flops_profiler", "tensorboard",
+    "wandb", "csv_monitor", "comms_logger", "aio", "elasticity", "checkpoint", "data_types",
+    "zero_force_ds_cpu_optimizer", "memory_breakdown", "dump_state",
+}
+_TRUE = (True, "true", "True")
+
+
+def _looks_like_deepspeed(d: Mapping[str, Any]) -> bool:
+    # "activation_checkpointing" is both a DeepSpeed block (a dict) and our bool field.
+    return any(k in _DS_TOP_LEVEL_KEYS and k not in _FIELDS for k in d) or isinstance(
+        d.get("activation_checkpointing"), Mapping)
+
+
+def _ds_int(key: str, value: object, source: str) -> int:
+    """5e8, "5e8", 500000000.0 -> 500000000; anything that is not a whole number is an error."""
+    number = value
+    if isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            pass
+    if isinstance(number, float) and number.is_integer():
+        return int(number)
+    if isinstance(number, numbers.Integral) and not isinstance(number, bool):
+        return int(number)
+    _invalid(f"ZeroConfig.from_deepspeed: {source}: {key}", value, "must be a whole number",
+             'write an integer such as 500000000 (or 5e8), or "auto" for our default')
+
+
+def _ds_block(d: Mapping[str, Any], key: str, source: str) -> Mapping[str, Any]:
+    block = d.get(key)
+    if block is not None and not isinstance(block, Mapping):
+        _invalid(f"ZeroConfig.from_deepspeed: {source}: {key}", block, "must be a JSON object",
+                 f'write "{key}": {{...}}', TypeError)
+    return block or {}
+
+
+def _from_deepspeed(cls: type[ZeroConfig], d: Mapping[str, Any], source: str, *, warn: bool,
+                    stacklevel: int) -> ZeroConfig:
+    half = any(_ds_block(d, k, source).get("enabled") in _TRUE for k in ("bf16", "fp16"))
+    elem_bytes = 2 if half else 4  # [Note: DeepSpeed sizes]
+    kwargs: dict[str, Any] = {}
+    origin: dict[str, str] = {}  # ZeroConfig field (dotted) -> DeepSpeed key, for error messages
+    ignored: list[str] = [k for k in d if k != "zero_optimization"]
+
+    def take(table: dict[str, tuple[str, str]], block: Mapping[str, Any], prefix: str, out: dict[str, Any]) -> None:
+        for key, value in block.items():
+            if key not in table:
+                ignored.append(f"{prefix}.{key}")
+            elif value != "auto":
+                name, kind = table[key]
+                if kind != "value":
+                    value = _ds_int(f"{prefix}.{key}", value, source) * (elem_bytes if kind == "elems" else 1)
+                out[name] = value
+                origin[(prefix.split(".", 1)[1] + "." if "." in prefix else "") + name] = f"{prefix}.{key}"
+
+    zero = _ds_block(d, "zero_optimization", source)
+    stage = zero.get("stage", 0)
+    if stage != "auto" and _ds_int("zero_optimization.stage", stage, source) == 0:
+        origin_note = "from zero_optimization.stage" if "stage" in zero else (
+            "zero_optimization.stage is missing, and DeepSpeed's default is 0")
+        _invalid("ZeroConfig.stage", stage, f"stage 0 is plain data parallel; use strategy='ddp' ({origin_note} "
+                 f"in {source})", "use strategy='ddp' for plain data parallel, or set zero_optimization.stage to 1, 2 or 3")
+    blocks = ("offload_optimizer", "offload_param", *_DS_SAVE_KEYS)
+    take(_DS_ZERO_KEYS, {k: v for k, v in zero.items() if k not in blocks}, "zero_optimization", kwargs)
+    for key in ("offload_optimizer", "offload_param"):
+        if block := _ds_block(zero, key, f"{source}: zero_optimization"):
+            take(_DS_OFFLOAD_KEYS, block, f"zero_optimization.{key}", sub := {})
+            kwargs[key] = sub
+    if any(zero.get(k) in _TRUE for k in _DS_SAVE_KEYS):
+        kwargs["state_dict_type"] = "full"
+
+    try:
+        cfg = cls(**kwargs)
+    except (ValueError, TypeError) as e:  # point at the DeepSpeed key the bad value came from
+        m = re.match(r"ZeroConfig\.([\w.]+)=", str(e))
+        ds_key = origin.get(m.group(1)) if m else None
+        raise type(e)(f"{e} (from {ds_key or 'the DeepSpeed config'} in {source})") from None
+    if warn and ignored:
+        lines = "\n".join(f"  {k}" + (f": {_DS_TOP_LEVEL_HINTS[k]}" if k in _DS_TOP_LEVEL_HINTS else "")
+                          for k in ignored)
+        warnings.warn(f"ZeroConfig.from_deepspeed({source}) ignored {len(ignored)} DeepSpeed setting(s) that "
+                      f"ZeroConfig does not use:\n{lines}", ZeroConfigWarning, stacklevel=stacklevel)
+    return cfg

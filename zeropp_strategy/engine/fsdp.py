@@ -1,0 +1,138 @@
+"""Stages 2 and 3 on PyTorch FSDP2: one ``fully_shard`` per block, then the root.
+
+Applied in this fixed order (torchtitan's rule: each step assumes the previous ones):
+1. choose blocks (``engine.wrap``);
+2. activation checkpointing on the blocks, if asked (must precede ``fully_shard``);
+3. ``fully_shard`` each block, bottom-up, then the root;
+4. install our comm objects on every FSDP group, so that the CommLedger sees every
+   byte and ZeRO++ can replace the collectives;
+5. materialize meta-device parameters, now that they are sharded (each rank allocates
+   and initializes only its shard).
+
+``reshard_after_forward``: stage 2 keeps gathered parameters from forward to backward
+(False: one gather per step); stage 3 frees them after each block's forward and gathers
+again in backward (True), or to an intra-node secondary shard (an int, hpZ).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from zeropp_strategy.comm.collectives import LedgerAllGather, LedgerReduceScatter
+from zeropp_strategy.comm.ledger import CommLedger
+from zeropp_strategy.config import ZeroConfig
+from zeropp_strategy.engine.wrap import apply_activation_checkpointing, select_blocks
+
+log = logging.getLogger(__name__)
+
+
+def is_sharded(module: nn.Module) -> bool:
+    return isinstance(module, FSDPModule)
+
+
+def fsdp_modules(root: nn.Module) -> list[FSDPModule]:
+    return [m for m in root.modules() if isinstance(m, FSDPModule)]
+
+
+def shard_module(
+    root: nn.Module,
+    config: ZeroConfig,
+    *,
+    mesh: DeviceMesh,
+    ledger: CommLedger,
+    mp_policy: MixedPrecisionPolicy,
+    device: torch.device,
+    reshard_after_forward: bool | int | None = None,
+) -> list[nn.Module]:
+    """Shard ``root`` in place for stage 2/3; returns the blocks that became groups."""
+    if config.stage not in (2, 3):
+        raise ValueError(f"shard_module is for stages 2/3, got ZeroConfig.stage={config.stage}")
+    if reshard_after_forward is None:
+        reshard_after_forward = config.stage == 3
+    blocks = select_blocks(root, wrap_modules=config.wrap_modules, wrap_min_params=config.wrap_min_params)
+    if config.activation_checkpointing:
+        if not blocks:
+            raise ValueError(
+                "ZeroConfig.activation_checkpointing=True but no block was found to checkpoint. "
+                "Fix: name the block classes in ZeroConfig.wrap_modules."
+            )
+        apply_activation_checkpointing(blocks)
+    # FSDP2 cannot shard 0-dim parameters; they stay replicated and the strategy
+    # all-reduces their gradients (see replicated_params).
+    ignored = set(replicated_params(root))
+    for block in blocks:
+        fully_shard(
+            block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, ignored_params=ignored
+        )
+    # The root's parameters (embeddings, head) are needed first in backward anyway;
+    # FSDP2's own advice is not to reshard the root after forward.
+    fully_shard(root, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy, ignored_params=ignored)
+    install_comms(root, ledger)
+    materialize(root, device)
+    log.info("zeropp: stage %d sharded %d blocks + root over %d ranks", config.stage, len(blocks), mesh.size())
+    return blocks
+
+
+def replicated_params(root: nn.Module) -> list[nn.Parameter]:
+    """Trainable parameters FSDP2 leaves replicated (0-dim): their grads need an all-reduce."""
+    return [p for p in root.parameters() if p.dim() == 0 and not isinstance(p, DTensor)]
+
+
+def install_comms(
+    root: nn.Module,
+    ledger: CommLedger,
+    *,
+    all_gather: Callable[[], object] | None = None,
+    reduce_scatter: Callable[[], object] | None = None,
+) -> None:
+    """Give every FSDP group its own ledger-recording (or ZeRO++) comm objects."""
+    for m in fsdp_modules(root):
+        m.set_custom_all_gather(all_gather() if all_gather else LedgerAllGather(ledger))
+        m.set_custom_reduce_scatter(reduce_scatter() if reduce_scatter else LedgerReduceScatter(ledger))
+
+
+def has_meta(module: nn.Module) -> bool:
+    return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+
+
+@torch.no_grad()
+def materialize(root: nn.Module, device: torch.device) -> None:
+    """Allocate and initialize meta-device tensors, shard by shard.
+
+    Every module with tensors of its own gets ``reset_parameters()``; a Hugging Face
+    model's submodules get the model's ``_init_weights``. Either way each rank draws
+    only its shard. Anything left uninitialized is an error, not garbage weights.
+    """
+    if not has_meta(root):
+        return
+    root.to_empty(device=device)
+    hf_init: dict[int, Callable[[nn.Module], None]] = {}
+    for m in root.modules():
+        init = getattr(m, "_init_weights", None)
+        if callable(init) and hasattr(m, "config"):
+            for sub in m.modules():
+                hf_init.setdefault(id(sub), init)
+    missing: set[str] = set()
+    for m in root.modules():
+        own = [*m.parameters(recurse=False), *m.buffers(recurse=False)]
+        if not own:
+            continue
+        if callable(getattr(m, "reset_parameters", None)):
+            m.reset_parameters()
+        elif id(m) in hf_init:
+            hf_init[id(m)](m)
+        else:
+            missing.add(type(m).__name__)
+    if missing:
+        raise TypeError(
+            "configure_model created tensors on the meta device, but these modules have no "
+            f"reset_parameters() to initialize them after sharding: {sorted(missing)}. Fix: "
+            "implement reset_parameters() on them, or build the model without the meta device."
+        )

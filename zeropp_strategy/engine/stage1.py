@@ -1,0 +1,277 @@
+"""ZeRO stage 1: replicated parameters and gradients, partitioned optimizer state.
+
+[Note: stage-1 sharding by views]
+Every rank holds the full parameters (like DDP) and gets the full, averaged gradients
+from DDP's bucketed all-reduce. The optimizer state is what we partition: for each
+parameter ``p`` of shape (d0, ...), rank r owns rows ``[r*c, min(d0, (r+1)*c))`` with
+``c = ceil(d0 / N)`` (``torch.chunk`` semantics, so trailing ranks may own nothing).
+
+The user's optimizer is kept (same object: LR schedulers and ``self.optimizers()`` keep
+working) but its ``param_groups`` are re-pointed from ``p`` to a DTensor ``Shard(0)``
+whose local tensor is a *view* of this rank's rows of ``p``; its ``.grad`` is a view of the
+same rows of ``p.grad``. So:
+- Adam-like elementwise updates run exactly as DDP would run them, element for element,
+  and write straight into ``p`` (no extra copy of the parameters, no master copy);
+- optimizer state (``exp_avg`` ...) is created on the DTensor and therefore holds only
+  this rank's rows: K*P/N bytes instead of K*P;
+- a shape-dependent optimizer (row/column statistics, norms) still computes global
+  quantities, because DTensor turns those reductions into collectives instead of
+  silently computing them on a slice.
+After ``step()`` every rank all-gathers the rows it updated, bucketed to
+``allgather_bucket_bytes``, so the replicated parameters agree again.
+
+0-dim parameters cannot be row-sharded; they are stepped redundantly on every rank
+(``Replicate``), which costs a few bytes and needs no communication.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.optim import Optimizer
+
+from zeropp_strategy.comm.collectives import all_gather_into
+from zeropp_strategy.comm.ledger import CommKind, CommLedger, Phase
+
+
+def row_range(dim0: int, rank: int, world_size: int) -> tuple[int, int]:
+    """Rows of a dim-0 sharded tensor that ``rank`` owns (``torch.chunk`` semantics)."""
+    chunk = math.ceil(dim0 / world_size) if dim0 else 0
+    start = min(dim0, rank * chunk)
+    return start, min(dim0, start + chunk)
+
+
+@dataclass
+class _Slot:
+    """One optimized parameter: the full tensor and this rank's DTensor view of it."""
+
+    param: nn.Parameter  # full, replicated, owned by the module
+    shard: nn.Parameter  # DTensor whose local tensor aliases rows of ``param``
+    rows: tuple[int, int]
+    chunk_rows: int  # rows every rank contributes to the gather (padding included)
+
+
+class ShardedOptimizer(Optimizer):
+    """Wraps a user optimizer so that its state holds only this rank's rows.
+
+    ``step()`` points each shard's grad at the matching rows of the all-reduced full
+    gradient, runs the wrapped optimizer, then all-gathers the updated rows.
+    ``zero_grad()`` clears the full gradients on the module's parameters, which is what
+    the next backward accumulates into.
+    """
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        mesh: DeviceMesh,
+        ledger: CommLedger,
+        *,
+        allgather_bucket_bytes: int,
+    ) -> None:
+        # Deliberately no Optimizer.__init__: we share the wrapped optimizer's
+        # param_groups and state, so schedulers that mutate them act on both.
+        self.optimizer = optimizer
+        self.mesh = mesh
+        self.ledger = ledger
+        self.allgather_bucket_bytes = allgather_bucket_bytes
+        self._rank = mesh.get_local_rank()
+        self._world = mesh.size()
+        self._slots: list[_Slot] = []
+        seen: set[int] = set()
+        for group in optimizer.param_groups:
+            new_params = []
+            for p in group["params"]:
+                if id(p) in seen:
+                    raise ValueError(
+                        "configure_optimizers: a parameter appears twice in the optimizer's "
+                        "param_groups. Fix: pass each parameter to exactly one group."
+                    )
+                seen.add(id(p))
+                slot = self._make_slot(p)
+                self._slots.append(slot)
+                new_params.append(slot.shard)
+            group["params"] = new_params
+        # The wrapped optimizer may already hold state keyed by the full params (e.g. a
+        # reused optimizer); it would now be orphaned and waste K*P bytes.
+        if len(optimizer.state):
+            raise ValueError(
+                "configure_optimizers returned an optimizer that already has state "
+                f"({len(optimizer.state)} entries). Fix: create a fresh optimizer in "
+                "configure_optimizers; state is restored from checkpoints after setup."
+            )
+        self._full_to_shard = {id(s.param): s.shard for s in self._slots}
+
+    # -- construction ------------------------------------------------------------------
+
+    def _make_slot(self, p: torch.Tensor) -> _Slot:
+        if isinstance(p, DTensor):
+            raise TypeError(
+                "zeropp_stage_1 got a DTensor parameter. Fix: do not call fully_shard or "
+                "tensor-parallel APIs in configure_model when using zeropp_stage_1; use "
+                "zeropp_stage_2/3 for sharded parameters."
+            )
+        data = p.detach()
+        if data.dim() == 0:
+            local, placements, rows, chunk = data, [Replicate()], (0, 0), 0
+        else:
+            rows = row_range(data.shape[0], self._rank, self._world)
+            chunk = math.ceil(data.shape[0] / self._world)
+            local, placements = data[rows[0] : rows[1]], [Shard(0)]
+        shard = nn.Parameter(
+            DTensor.from_local(local, self.mesh, placements, run_check=False, shape=data.shape, stride=data.stride()),
+            requires_grad=p.requires_grad,
+        )
+        return _Slot(param=p, shard=shard, rows=rows, chunk_rows=chunk)
+
+    # -- Optimizer surface ---------------------------------------------------------------
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self) -> dict[Any, Any]:  # type: ignore[override]
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    @property
+    def full_params(self) -> list[nn.Parameter]:
+        return [s.param for s in self._slots]
+
+    def shard_of(self, param: torch.Tensor) -> nn.Parameter:
+        return self._full_to_shard[id(param)]
+
+    def __repr__(self) -> str:
+        return f"ShardedOptimizer(rank={self._rank}/{self._world}, {self.optimizer!r})"
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for s in self._slots:
+            s.shard.grad = None
+            if s.param.grad is None:
+                continue
+            if set_to_none:
+                s.param.grad = None
+            else:
+                s.param.grad.detach_().zero_()
+
+    def _bind_grads(self) -> None:
+        for s in self._slots:
+            g = s.param.grad
+            if g is None:
+                s.shard.grad = None
+                continue
+            local = g if g.dim() == 0 else g[s.rows[0] : s.rows[1]]
+            s.shard.grad = DTensor.from_local(
+                local, self.mesh, s.shard.placements, run_check=False, shape=g.shape, stride=g.stride()
+            )
+
+    def sharded_grads(self) -> list[torch.Tensor]:
+        """This rank's gradient rows (bound views), for inf checks and unscaling."""
+        self._bind_grads()
+        return [s.shard.grad for s in self._slots if s.shard.grad is not None]
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._bind_grads()
+        with self.ledger.phase(Phase.OPTIMIZER):
+            self.optimizer.step()
+            self._gather_updated_rows()
+        return loss
+
+    # -- the post-step all-gather ----------------------------------------------------------
+
+    def _gather_updated_rows(self) -> None:
+        """All-gather every trainable row-sharded parameter, in buckets of bounded bytes.
+
+        Bytes sent per rank: for each bucket, its padded shard (sum over params of
+        chunk_rows * row_elems * element_size) to each of the N-1 peers.
+        """
+        pending: list[_Slot] = []
+        pending_bytes = 0
+        key = None
+        for s in self._slots:
+            if s.chunk_rows == 0 or not s.param.requires_grad:
+                continue
+            row_bytes = s.param[0].numel() * s.param.element_size()
+            slot_bytes = s.chunk_rows * row_bytes * self._world
+            slot_key = (s.param.dtype, s.param.device)
+            if pending and (slot_key != key or pending_bytes + slot_bytes > self.allgather_bucket_bytes):
+                self._gather_bucket(pending)
+                pending, pending_bytes = [], 0
+            pending.append(s)
+            pending_bytes += slot_bytes
+            key = slot_key
+        if pending:
+            self._gather_bucket(pending)
+
+    def _gather_bucket(self, slots: list[_Slot]) -> None:
+        p0 = slots[0].param
+        sizes = [s.chunk_rows * s.param[0].numel() for s in slots]  # padded elems per rank
+        per_rank = sum(sizes)
+        send = torch.zeros(per_rank, dtype=p0.dtype, device=p0.device)
+        offset = 0
+        for s, n in zip(slots, sizes):
+            own = s.param.detach()[s.rows[0] : s.rows[1]].reshape(-1)
+            send[offset : offset + own.numel()].copy_(own)
+            offset += n
+        recv = torch.empty(per_rank * self._world, dtype=p0.dtype, device=p0.device)
+        all_gather_into(recv, send, ledger=self.ledger, kind=CommKind.PARAM_UPDATE, group=self.mesh.get_group())
+        recv = recv.view(self._world, per_rank)
+        offset = 0
+        for s, n in zip(slots, sizes):
+            full = s.param.detach()
+            d0 = full.shape[0]
+            row = full[0].numel()
+            for r in range(self._world):
+                lo, hi = row_range(d0, r, self._world)
+                if hi > lo and r != self._rank:
+                    full[lo:hi].copy_(recv[r, offset : offset + (hi - lo) * row].view_as(full[lo:hi]))
+            offset += n
+
+    # -- checkpoint surface (the strategy gathers/scatters full state around these) ------
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+        self._full_to_shard = {id(s.param): s.shard for s in self._slots}
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise NotImplementedError(
+            "add_param_group after setup is not supported by zeropp_stage_1: the new "
+            "parameters would not be partitioned. Fix: create every param group in "
+            "configure_optimizers."
+        )
+
+
+def unwrap_optimizer(optimizer: Optimizer) -> Optimizer:
+    """The user's optimizer behind Lightning's and our wrappers."""
+    inner = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
+    return inner.optimizer if isinstance(inner, ShardedOptimizer) else inner
+
+
+def iter_sharded(optimizers: Iterable[Optimizer]) -> Iterable[ShardedOptimizer]:
+    for opt in optimizers:
+        inner = getattr(opt, "_optimizer", opt)
+        if isinstance(inner, ShardedOptimizer):
+            yield inner

@@ -1,0 +1,90 @@
+"""Which submodules become one FSDP2 group each (the "wrap policy").
+
+One group = one all-gather before its forward (and backward, at stage 3) and one
+reduce-scatter after its backward. Groups that are too small waste collective latency;
+groups that are too big raise the peak of gathered parameters. The policy, in order:
+
+1. ``ZeroConfig.wrap_modules``: class names the user names (e.g. ``["GPT2Block"]``);
+2. otherwise the Hugging Face convention: every ``PreTrainedModel`` inside the module
+   lists its transformer-block classes in ``_no_split_modules``;
+3. otherwise size-based: bottom-up, a module whose not-yet-grouped parameters reach
+   ``wrap_min_params`` becomes a group.
+The root module is always its own group last (it picks up embeddings, heads, norms).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def _class_names(module: nn.Module) -> set[str]:
+    return {cls.__name__ for cls in type(module).__mro__}
+
+
+def hf_block_names(root: nn.Module) -> set[str]:
+    """Union of ``_no_split_modules`` over every Hugging Face model inside ``root``."""
+    names: set[str] = set()
+    for m in root.modules():
+        declared = getattr(m, "_no_split_modules", None)
+        if declared:
+            names.update(declared)
+    return names
+
+
+def select_blocks(root: nn.Module, *, wrap_modules: tuple[str, ...], wrap_min_params: int) -> list[nn.Module]:
+    """Submodules of ``root`` (root excluded) to shard as groups, in post-order.
+
+    Post-order matters: FSDP2 groups are assigned bottom-up, a parameter belongs to the
+    innermost group that contains it.
+    """
+    names = set(wrap_modules) or hf_block_names(root)
+    if names:
+        blocks = [m for m in _post_order(root) if m is not root and _class_names(m) & names]
+        if wrap_modules and not blocks:
+            present = sorted({type(m).__name__ for m in root.modules()})
+            raise ValueError(
+                f"ZeroConfig.wrap_modules={list(wrap_modules)!r} matched no submodule. "
+                f"Fix: use class names present in the model, e.g. one of {present[:12]}."
+            )
+        # Nested matches (a block inside a block) would make tiny inner groups; keep
+        # the outermost match only.
+        return [b for b in blocks if not any(b is not o and _contains(o, b) for o in blocks)]
+    return _size_based(root, wrap_min_params)
+
+
+def _contains(outer: nn.Module, inner: nn.Module) -> bool:
+    return any(m is inner for m in outer.modules())
+
+
+def _post_order(module: nn.Module) -> list[nn.Module]:
+    out: list[nn.Module] = []
+    for child in module.children():
+        out.extend(_post_order(child))
+    out.append(module)
+    return out
+
+
+def _size_based(root: nn.Module, min_params: int) -> list[nn.Module]:
+    grouped: set[int] = set()
+    blocks: list[nn.Module] = []
+    for m in _post_order(root):
+        if m is root:
+            continue
+        fresh = [p for p in m.parameters() if id(p) not in grouped]
+        if sum(p.numel() for p in fresh) >= min_params:
+            blocks.append(m)
+            grouped.update(id(p) for p in fresh)
+    return blocks
+
+
+def apply_activation_checkpointing(blocks: list[nn.Module]) -> None:
+    """Recompute each block's activations in backward instead of storing them.
+
+    Uses PyTorch's composable ``checkpoint``, which hooks the module in place, so
+    parameter names (and therefore checkpoints) are unchanged. Applied before
+    ``fully_shard``, as FSDP2 expects.
+    """
+    from torch.distributed._composable import checkpoint
+
+    for block in blocks:
+        checkpoint(block)

@@ -1,0 +1,265 @@
+"""Precision for sharded training: what each Lightning precision flag means under ZeRO.
+
+| flag         | params held (sharded at 2/3) | compute    | grad reduce | master |
+|--------------|------------------------------|------------|-------------|--------|
+| 32-true      | fp32                         | fp32       | fp32        | -      |
+| bf16-mixed   | fp32                         | bf16 (*)   | fp32        | params |
+| 16-mixed     | fp32                         | fp16 (*)   | fp32        | params |
+| bf16-true    | bf16                         | bf16       | bf16        | -      |
+| 16-true      | fp16                         | fp16       | fp16        | -      |
+
+(*) stage 2/3 all-gather the parameters in 16 bits (FSDP2 ``MixedPrecisionPolicy``
+``param_dtype``; half the gather bytes) and also run under autocast so that softmax,
+norms and losses stay in fp32. Stage 1 keeps fp32 replicas and uses autocast alone.
+
+[Note: global inf check]
+With sharded gradients every rank sees only its shard, so one rank can find an inf
+that the others do not. ``ShardedGradScaler`` all-reduces ``found_inf`` (MAX) across
+the data-parallel group before ``step`` decides, so every rank skips the same steps and
+lowers the loss scale identically. The clip norm is global for the same reason:
+``clip_grad_norm`` sums squares over local shards and all-reduces them.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Generator, Iterable
+from contextlib import contextmanager, nullcontext
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+from torch.optim import LBFGS, Optimizer
+
+from zeropp_strategy.engine.stage1 import ShardedOptimizer
+
+PrecisionFlag = Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true"]
+SUPPORTED: tuple[str, ...] = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
+
+_HALF = {"bf16": torch.bfloat16, "16": torch.float16}
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def local_grads(optimizer: Optimizer) -> list[Tensor]:
+    """Gradients this rank owns for ``optimizer``, as plain tensors.
+
+    Stage 1: the full (all-reduced, identical on every rank) gradients. Stage 2/3: the
+    local shards of FSDP2's DTensor gradients.
+    """
+    inner = getattr(optimizer, "_optimizer", optimizer)
+    if isinstance(inner, ShardedOptimizer):
+        return [p.grad for p in inner.full_params if p.grad is not None]
+    return [_local(p.grad) for g in inner.param_groups for p in g["params"] if p.grad is not None]
+
+
+def _reduce(t: Tensor, op: dist.ReduceOp, group: Any) -> Tensor:
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+def _is_sharded(optimizer: Optimizer) -> bool:
+    inner = getattr(optimizer, "_optimizer", optimizer)
+    return not isinstance(inner, ShardedOptimizer) and any(
+        isinstance(p, DTensor) for g in inner.param_groups for p in g["params"]
+    )
+
+
+@torch.no_grad()
+def clip_grad_norm(optimizer: Optimizer, max_norm: float, *, group: Any = None, norm_type: float = 2.0) -> Tensor:
+    """Clip by the global norm over every rank's shard; returns the total norm.
+
+    Stage 1 gradients are already replicated, so the norm is computed locally exactly as
+    DDP computes it. Sharded gradients: sum of |g|^p over local shards, all-reduced.
+    Bytes sent per rank: one fp32 scalar all-reduce (stage 2/3), none at stage 1.
+    """
+    grads = local_grads(optimizer)
+    if not _is_sharded(optimizer):
+        params = [p for p in getattr(getattr(optimizer, "_optimizer", optimizer), "full_params", [])]
+        if params:
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+        return torch.nn.utils.clip_grad_norm_(
+            [p for g in optimizer.param_groups for p in g["params"]], max_norm, norm_type=norm_type
+        )
+    device = grads[0].device if grads else torch.device("cpu")
+    if norm_type == float("inf"):
+        local = max((g.detach().abs().max().float() for g in grads), default=torch.zeros((), device=device))
+        total = _reduce(torch.as_tensor(local, device=device).clone(), dist.ReduceOp.MAX, group)
+    else:
+        acc = torch.zeros((), dtype=torch.float32, device=device)
+        for g in grads:
+            acc += torch.linalg.vector_norm(g.detach().float(), norm_type) ** norm_type
+        total = _reduce(acc, dist.ReduceOp.SUM, group) ** (1.0 / norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.detach().mul_(coef.to(g.dtype))
+    return total
+
+
+@torch.no_grad()
+def clip_grad_value(optimizer: Optimizer, clip_value: float) -> None:
+    """Elementwise clip: local, no communication, identical to DDP."""
+    for g in local_grads(optimizer):
+        g.clamp_(-clip_value, clip_value)
+
+
+class ShardedGradScaler(torch.amp.GradScaler):
+    """``torch.amp.GradScaler`` whose inf/NaN check is global (see [Note: global inf check])."""
+
+    def __init__(self, device: str = "cuda", *, group: Any = None, **kwargs: Any) -> None:
+        super().__init__(device=device, **kwargs)
+        self.group = group
+
+    def _unscale_grads_(  # type: ignore[override]
+        self, optimizer: Optimizer, inv_scale: Tensor, found_inf: Tensor, allow_fp16: bool
+    ) -> dict[torch.device, Tensor]:
+        buckets: dict[tuple[torch.device, torch.dtype], list[Tensor]] = defaultdict(list)
+        for g in local_grads(optimizer):
+            buckets[(g.device, g.dtype)].append(g)
+        per_device: dict[torch.device, Tensor] = {}
+        with torch.no_grad():
+            for (device, _), grads in buckets.items():
+                f = per_device.setdefault(device, found_inf.to(device))
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, f, inv_scale.to(device))
+            # A rank whose shards are all empty still has to take part in the all-reduce.
+            merged = sum((f.to(found_inf.device) for f in per_device.values()), torch.zeros_like(found_inf))
+            merged = _reduce(merged.clamp_(max=1.0), dist.ReduceOp.MAX, self.group)
+        return {found_inf.device: merged}
+
+
+class ZeroPPPrecision(Precision):
+    """Lightning precision plugin for ``ZeroPPStrategy`` (any of the flags above)."""
+
+    def __init__(self, precision: PrecisionFlag = "32-true", *, device: str = "cpu", scaler: Any = None) -> None:
+        if precision not in SUPPORTED:
+            raise ValueError(
+                f"Trainer(precision={precision!r}) is not supported by the zeropp strategy. "
+                f"Fix: use one of {', '.join(SUPPORTED)}."
+            )
+        self.precision = precision  # type: ignore[assignment]
+        self.device = device
+        if precision == "16-mixed" and scaler is None:
+            scaler = ShardedGradScaler(device=device)
+        self.scaler = scaler
+
+    # -- dtypes ---------------------------------------------------------------------------
+
+    @property
+    def half_dtype(self) -> torch.dtype | None:
+        return _HALF.get(self.precision.split("-")[0]) if self.precision != "32-true" else None
+
+    @property
+    def is_mixed(self) -> bool:
+        return self.precision.endswith("-mixed")
+
+    def mp_policy(self) -> Any:
+        """FSDP2 mixed-precision policy for stage 2/3 (16-bit gathers, fp32 reduce)."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        if self.is_mixed:
+            return MixedPrecisionPolicy(param_dtype=self.half_dtype, reduce_dtype=torch.float32)
+        return MixedPrecisionPolicy()
+
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        if self.precision.endswith("-true") and self.half_dtype is not None:
+            return module.to(dtype=self.half_dtype)
+        return module
+
+    @contextmanager
+    def _default_dtype(self) -> Generator[None, None, None]:
+        if self.precision.endswith("-true") and self.half_dtype is not None:
+            previous = torch.get_default_dtype()
+            torch.set_default_dtype(self.half_dtype)
+            try:
+                yield
+            finally:
+                torch.set_default_dtype(previous)
+        else:
+            yield
+
+    @contextmanager
+    def tensor_init_context(self) -> Generator[None, None, None]:
+        with self._default_dtype():
+            yield
+
+    @contextmanager
+    def module_init_context(self) -> Generator[None, None, None]:
+        with self._default_dtype():
+            yield
+
+    @contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        if self.is_mixed:
+            ctx = torch.autocast(self.device, dtype=self.half_dtype, cache_enabled=False)
+        else:
+            ctx = nullcontext()
+        with ctx, self._default_dtype():
+            yield
+
+    # -- scaling and clipping ------------------------------------------------------------
+
+    def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:  # type: ignore[override]
+        if self.scaler is not None:
+            tensor = self.scaler.scale(tensor)
+        return super().pre_backward(tensor, module)
+
+    def optimizer_step(  # type: ignore[override]
+        self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:
+        if self.scaler is None:
+            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        if isinstance(optimizer, LBFGS):
+            raise TypeError("precision='16-mixed' cannot be used with LBFGS. Fix: use precision='bf16-mixed'.")
+        closure_result = closure()
+        skip = closure_result is None and getattr(model, "automatic_optimization", True)
+        if not skip:
+            self.scaler.unscale_(optimizer)
+        self._after_closure(model, optimizer)
+        if skip:
+            return closure_result
+        out = self.scaler.step(optimizer, **kwargs)
+        self.scaler.update()
+        return out
+
+    def clip_gradients(
+        self,
+        optimizer: Optimizer,
+        clip_val: int | float = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
+        if clip_val <= 0:
+            return
+        if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
+            clip_grad_value(optimizer, clip_val)
+        else:
+            clip_grad_norm(optimizer, clip_val)
+
+    def main_params(self, optimizer: Optimizer) -> Iterable[Tensor]:  # type: ignore[override]
+        inner = getattr(optimizer, "_optimizer", optimizer)
+        if isinstance(inner, ShardedOptimizer):
+            return inner.full_params
+        return super().main_params(optimizer)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scaler.state_dict() if self.scaler is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.scaler is not None and state_dict:
+            self.scaler.load_state_dict(state_dict)
+
+
+def from_lightning_plugin(plugin: Precision, device: str) -> ZeroPPPrecision:
+    """Translate the plugin Lightning's connector chose for a ``precision=`` flag."""
+    if isinstance(plugin, ZeroPPPrecision):
+        return plugin
+    flag = str(getattr(plugin, "precision", "32-true"))
+    if flag in ("32", "32-true"):
+        flag = "32-true"
+    return ZeroPPPrecision(flag, device=device)  # type: ignore[arg-type]

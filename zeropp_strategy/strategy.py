@@ -1,0 +1,484 @@
+"""``ZeroPPStrategy``: ZeRO stages 1/2/3 (and ZeRO++) as a Lightning strategy.
+
+    Trainer(strategy="zeropp_stage_3", accelerator="cpu", devices=2)
+    Trainer(strategy=ZeroPPStrategy(stage=2, activation_checkpointing=True))
+    Trainer(strategy=ZeroPPStrategy(config="ds_config.json"))  # DeepSpeed JSON
+
+Lifecycle (what happens where, and why there):
+- ``__init__``: the ZeroConfig is built and validated; a bad value raises here, on
+  every rank, before any process group exists.
+- ``setup_environment``: job-size checks (``validate_for_world``), topology detection,
+  process group, device meshes, CommLedger. Still no collective before the checks.
+- ``setup``: stage 1 wraps the module in DDP (gradient all-reduce through a ledger
+  hook) and each optimizer in ``ShardedOptimizer``; stages 2/3 apply FSDP2
+  (``engine.fsdp.shard_module``) before ``configure_optimizers`` runs, so optimizers
+  are built over the sharded parameters.
+- every ``*_step`` goes through the root module's ``__call__`` (Lightning's
+  ``_ForwardRedirection``) so FSDP2's root hooks run; backward runs inside the ledger's
+  BACKWARD phase so parameter gathers are booked as forward or backward correctly.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager, nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.overrides.distributed import _sync_module_states, prepare_for_backward
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.ddp import _DDPForwardRedirection
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast, _ForwardRedirection
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+
+from zeropp_strategy.comm.collectives import LedgerHookState, ledger_allreduce_hook
+from zeropp_strategy.comm.ledger import CommLedger, Phase
+from zeropp_strategy.config import ZeroConfig
+from zeropp_strategy.comm.collectives import all_reduce
+from zeropp_strategy.comm.ledger import CommKind
+from zeropp_strategy.engine.fsdp import fsdp_modules, is_sharded, replicated_params, shard_module
+from zeropp_strategy.engine.memory import MemoryStats, memory_stats
+from zeropp_strategy.engine.stage1 import ShardedOptimizer
+from zeropp_strategy.engine.state import (
+    full_model_state,
+    full_optimizer_state,
+    load_full_model_state,
+    load_full_optimizer_state,
+)
+from zeropp_strategy.precision import ZeroPPPrecision, from_lightning_plugin
+from zeropp_strategy.topology import Meshes, Topology
+
+log = logging.getLogger(__name__)
+
+#: Registry names -> ZeroConfig fields they set. ``zeropp`` is stage 3 plus ZeRO++.
+PRESETS: dict[str, dict[str, Any]] = {
+    "zeropp": {"stage": 3},
+    "zeropp_stage_1": {"stage": 1},
+    "zeropp_stage_2": {"stage": 2},
+    "zeropp_stage_3": {"stage": 3},
+}
+
+
+def _resolve_config(config: ZeroConfig | Mapping[str, Any] | str | Path | None, overrides: dict[str, Any]) -> ZeroConfig:
+    if config is None:
+        base = ZeroConfig()
+    elif isinstance(config, ZeroConfig):
+        base = config
+    elif isinstance(config, Mapping):
+        base = ZeroConfig.from_dict(dict(config))
+    elif isinstance(config, (str, Path)):
+        base = ZeroConfig.from_file(config)
+    else:
+        raise TypeError(
+            f"ZeroPPStrategy(config={config!r}) is invalid: expected a ZeroConfig, a dict, or a path "
+            "to a YAML/DeepSpeed JSON file. Fix: pass one of those."
+        )
+    return base.replace(**overrides) if overrides else base
+
+
+class ZeroPPStrategy(ParallelStrategy):
+    """ZeRO data parallelism: stage 1 (sharded optimizer state), 2 (+ sharded gradients),
+    3 (+ sharded parameters), with ZeRO++ collectives and offload as configured.
+
+    Args:
+        config: a ``ZeroConfig``, a dict of its fields, or a path to a YAML file or a
+            DeepSpeed JSON config (its ``zero_optimization`` block is read).
+        accelerator, parallel_devices, cluster_environment, checkpoint_io,
+        precision_plugin: as for every Lightning strategy (usually set by the Trainer).
+        process_group_backend: ``"gloo"``/``"nccl"``; default from the device.
+        timeout: collective timeout.
+        **config_fields: any ``ZeroConfig`` field, overriding ``config`` (e.g.
+            ``stage=2``, ``wrap_modules=["GPT2Block"]``).
+    """
+
+    strategy_name = "zeropp"
+
+    def __init__(
+        self,
+        config: ZeroConfig | Mapping[str, Any] | str | Path | None = None,
+        *,
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        **config_fields: Any,
+    ) -> None:
+        self.config = _resolve_config(config, config_fields)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self._num_nodes = 1
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._topology: Topology | None = None
+        self._meshes: Meshes | None = None
+        self._ledger: CommLedger | None = None
+        self._fsdp_redirection = _ForwardRedirection()
+        self._ddp_redirection = _DDPForwardRedirection()
+        self._grad_sync = True  # False inside block_backward_sync (accumulation)
+
+    # -- identity and sizes ---------------------------------------------------------------
+
+    @property
+    def stage(self) -> int:
+        return self.config.stage
+
+    @property
+    def is_distributed(self) -> bool:
+        # Lightning injects a DistributedSampler (and reduces sync_dist logs) only for
+        # strategies it knows or that say so here.
+        return True
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        # Sharded parameters exist only after setup; load into them, not before.
+        return True
+
+    @property
+    def topology(self) -> Topology:
+        if self._topology is None:
+            raise RuntimeError("ZeroPPStrategy.topology is available once the Trainer has set up processes.")
+        return self._topology
+
+    @property
+    def meshes(self) -> Meshes:
+        if self._meshes is None:
+            raise RuntimeError("ZeroPPStrategy.meshes are available once the Trainer has set up processes.")
+        return self._meshes
+
+    @property
+    def comm_ledger(self) -> CommLedger:
+        if self._ledger is None:
+            raise RuntimeError("ZeroPPStrategy.comm_ledger is available once the Trainer has set up processes.")
+        return self._ledger
+
+    def comm_stats(self, reset: bool = False) -> dict[str, Any]:
+        """This rank's CommLedger summary (bytes sent, intra/inter-node, by kind)."""
+        stats = self.comm_ledger.summary()
+        if reset:
+            self.comm_ledger.reset()
+        return stats
+
+    def reset_comm_stats(self) -> None:
+        self.comm_ledger.reset()
+
+    def memory_stats(self) -> MemoryStats:
+        """Bytes this rank holds in params/grads/optimizer state, beside the stage's formula."""
+        assert self.lightning_module is not None
+        return memory_stats(
+            self.lightning_module, list(self.optimizers), stage=self.stage, rank=self.global_rank, world_size=self.world_size
+        )
+
+    # -- precision ------------------------------------------------------------------------
+
+    @property
+    def precision_plugin(self) -> ZeroPPPrecision:
+        plugin = self._precision_plugin
+        if plugin is None:
+            plugin = self._precision_plugin = ZeroPPPrecision("32-true", device=self._device_type())
+        return plugin  # type: ignore[return-value]
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        self._precision_plugin = None if plugin is None else from_lightning_plugin(plugin, self._device_type())
+
+    def _device_type(self) -> str:
+        devices = self.parallel_devices
+        return devices[0].type if devices else "cpu"
+
+    # -- process group --------------------------------------------------------------------
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.set_world_ranks()
+        # Job-size checks run on every rank BEFORE the first collective (a one-rank
+        # error inside a collective would hang the others).
+        self.config.validate_for_world(self.world_size, self.num_processes)
+        self._topology = Topology.detect(
+            self.world_size,
+            self.global_rank,
+            ranks_per_node=self.num_processes,
+            simulated_nodes=self.config.simulated_nodes,
+        )
+        reset_seed()
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        assert self.cluster_environment is not None
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        self._meshes = self._topology.build_meshes(self.root_device.type)
+        self._ledger = CommLedger(self._topology)
+        rank_zero_info(f"zeropp: stage {self.stage}, {self._topology.describe()}")
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    # -- model and optimizers -------------------------------------------------------------
+
+    def setup(self, trainer: Any) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if self.stage == 1:
+            self.model = self.precision_plugin.convert_module(self.model)
+            self.model_to_device()
+            if fitting:
+                self.model = self._wrap_ddp(self.model)
+                self.setup_optimizers(trainer)
+            else:
+                _sync_module_states(self.model)
+        else:
+            if not is_sharded(self.model):
+                self.model = self.precision_plugin.convert_module(self.model)
+                shard_module(
+                    self.model,
+                    self.config,
+                    mesh=self.meshes.world,
+                    ledger=self.comm_ledger,
+                    mp_policy=self.precision_plugin.mp_policy(),
+                    device=self.root_device,
+                )
+            self.model_to_device()
+            if fitting:
+                self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _wrap_ddp(self, module: Module) -> DistributedDataParallel:
+        device_ids = None if self.root_device.type == "cpu" else [self.root_device.index]
+        ddp = DistributedDataParallel(
+            module,
+            device_ids=device_ids,
+            bucket_cap_mb=self.config.reduce_bucket_bytes / 2**20,
+            process_group=self.meshes.world.get_group(),
+        )
+        ddp.register_comm_hook(LedgerHookState(self.comm_ledger, self.meshes.world.get_group()), ledger_allreduce_hook)
+        return ddp
+
+    def setup_optimizers(self, trainer: Any) -> None:
+        # Re-entering setup (fit after fit) must build optimizers over the current params.
+        self._reset_optimizers_and_schedulers()
+        super().setup_optimizers(trainer)
+        if self.stage == 1:
+            self.optimizers = [
+                opt
+                if isinstance(opt, ShardedOptimizer)
+                else ShardedOptimizer(
+                    opt,
+                    self.meshes.world,
+                    self.comm_ledger,
+                    allgather_bucket_bytes=self.config.allgather_bucket_bytes,
+                )
+                for opt in self.optimizers
+            ]
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        # Stage 2/3 materialize meta tensors shard by shard in setup(); stage 1 needs
+        # real full tensors on every rank, so it ignores empty_init.
+        meta = torch.device("meta") if empty_init and self.stage in (2, 3) else nullcontext()
+        with meta, self.precision_plugin.tensor_init_context():
+            yield
+
+    # -- steps ----------------------------------------------------------------------------
+
+    def _redirect(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        assert self.lightning_module is not None and self.model is not None
+        if isinstance(self.model, DistributedDataParallel):
+            return self._ddp_redirection(self.model, self.lightning_module, method, *args, **kwargs)
+        if fsdp_modules(self.model):
+            return self._fsdp_redirection(self.model, self.lightning_module, method, *args, **kwargs)
+        return getattr(self.lightning_module, method)(*args, **kwargs)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.train_step_context(), self.comm_ledger.phase(Phase.FORWARD):
+            return self._redirect("training_step", *args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context(), self.comm_ledger.phase(Phase.FORWARD):
+            return self._redirect("validation_step", *args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context(), self.comm_ledger.phase(Phase.FORWARD):
+            return self._redirect("test_step", *args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context(), self.comm_ledger.phase(Phase.FORWARD):
+            return self._redirect("predict_step", *args, **kwargs)
+
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        with self.comm_ledger.phase(Phase.BACKWARD):
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        # Manual optimization under DDP (stage 1) must tell the reducer what to expect.
+        if isinstance(self.model, DistributedDataParallel) and not self.lightning_module.automatic_optimization:
+            prepare_for_backward(self.model, closure_loss)
+
+    def post_backward(self, closure_loss: Tensor) -> None:
+        if self._grad_sync and self.stage in (2, 3) and self.model is not None:
+            self._reduce_replicated_grads()
+
+    @torch.no_grad()
+    def _reduce_replicated_grads(self) -> None:
+        """Average the grads FSDP2 does not own (0-dim params), as DDP would: divide, then sum.
+
+        Bytes sent per rank: one all-reduce of 4 bytes per such parameter, booked as
+        GRAD_REDUCE.
+        """
+        grads = [p.grad for p in replicated_params(self.model) if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.stack([g.float() for g in grads]) / self.world_size
+        all_reduce(flat, ledger=self.comm_ledger, kind=CommKind.GRAD_REDUCE, group=self.meshes.world.get_group())
+        for g, v in zip(grads, flat):
+            g.copy_(v)
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """No gradient communication on non-boundary micro-batches (accumulation)."""
+        self._grad_sync = False
+        try:
+            if isinstance(self.model, DistributedDataParallel):
+                with self.model.no_sync():
+                    yield
+            elif self.model is not None and is_sharded(self.model):
+                self.model.set_requires_gradient_sync(False)
+                try:
+                    yield
+                finally:
+                    self.model.set_requires_gradient_sync(True)
+            else:
+                yield
+        finally:
+            self._grad_sync = True
+
+    # -- collectives for Lightning (logging, barriers) --------------------------------------
+
+    def barrier(self, name: str | None = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src, group=_group.WORLD)
+        return box[0]
+
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # -- checkpoints (full format; every rank takes part in the gathers) -----------------
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.lightning_module is not None
+        return full_model_state(self.lightning_module)
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        return full_optimizer_state(optimizer)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        assert self.lightning_module is not None
+        load_full_model_state(self.lightning_module, checkpoint["state_dict"], strict=strict)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        states = checkpoint.get("optimizer_states")
+        if not states:
+            return
+        for optimizer, state in zip(self.optimizers, states):
+            load_full_optimizer_state(optimizer, state)
+
+    # -- teardown and registry ----------------------------------------------------------
+
+    def teardown(self) -> None:
+        if isinstance(self.model, DistributedDataParallel):
+            self.model = self.lightning_module
+        assert self.cluster_environment is not None
+        self.cluster_environment.teardown()
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        for name, fields in PRESETS.items():
+            if name in strategy_registry:
+                continue
+            strategy_registry.register(name, cls, description=f"ZeRO via zeropp-strategy ({fields})", **fields)
