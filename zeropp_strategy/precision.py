@@ -76,30 +76,37 @@ def _is_sharded(optimizer: Optimizer) -> bool:
 def clip_grad_norm(optimizer: Optimizer, max_norm: float, *, group: Any = None, norm_type: float = 2.0) -> Tensor:
     """Clip by the global norm over every rank's shard; returns the total norm.
 
-    Stage 1 gradients are already replicated, so the norm is computed locally exactly as
-    DDP computes it. Sharded gradients: sum of |g|^p over local shards, all-reduced.
-    Bytes sent per rank: one fp32 scalar all-reduce (stage 2/3), none at stage 1.
+    Stage 1 gradients are replicated, so the norm is computed locally exactly as DDP
+    computes it. Stage 2/3: |g|^p summed over the local shards of DTensor gradients and
+    all-reduced, plus (once, not N times) the replicated gradients FSDP2 leaves whole.
+    Bytes sent per rank: one fp32 scalar all-reduce at stage 2/3, none at stage 1.
     """
-    grads = local_grads(optimizer)
-    if not _is_sharded(optimizer):
-        params = [p for p in getattr(getattr(optimizer, "_optimizer", optimizer), "full_params", [])]
-        if params:
-            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
-        return torch.nn.utils.clip_grad_norm_(
-            [p for g in optimizer.param_groups for p in g["params"]], max_norm, norm_type=norm_type
-        )
+    inner = getattr(optimizer, "_optimizer", optimizer)
+    if isinstance(inner, ShardedOptimizer) or not _is_sharded(optimizer):
+        params = inner.full_params if isinstance(inner, ShardedOptimizer) else [
+            p for g in inner.param_groups for p in g["params"]
+        ]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+    grads = [p.grad for g in inner.param_groups for p in g["params"] if p.grad is not None]
+    sharded = [g.to_local() for g in grads if isinstance(g, DTensor)]
+    replicated = [g for g in grads if not isinstance(g, DTensor)]
     device = grads[0].device if grads else torch.device("cpu")
     if norm_type == float("inf"):
-        local = max((g.detach().abs().max().float() for g in grads), default=torch.zeros((), device=device))
-        total = _reduce(torch.as_tensor(local, device=device).clone(), dist.ReduceOp.MAX, group)
+        def amax(ts: list[Tensor]) -> Tensor:
+            return torch.stack([t.abs().max().float() for t in ts if t.numel()] or [torch.zeros((), device=device)]).max()
+
+        total = torch.maximum(_reduce(amax(sharded).clone(), dist.ReduceOp.MAX, group), amax(replicated))
     else:
-        acc = torch.zeros((), dtype=torch.float32, device=device)
-        for g in grads:
-            acc += torch.linalg.vector_norm(g.detach().float(), norm_type) ** norm_type
-        total = _reduce(acc, dist.ReduceOp.SUM, group) ** (1.0 / norm_type)
+        def powsum(ts: list[Tensor]) -> Tensor:
+            acc = torch.zeros((), dtype=torch.float32, device=device)
+            for t in ts:
+                acc += torch.linalg.vector_norm(t.float(), norm_type) ** norm_type
+            return acc
+
+        total = (_reduce(powsum(sharded), dist.ReduceOp.SUM, group) + powsum(replicated)) ** (1.0 / norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in grads:
-        g.detach().mul_(coef.to(g.dtype))
+    for g in [*sharded, *replicated]:
+        g.mul_(coef.to(g.dtype))
     return total
 
 

@@ -153,8 +153,9 @@ class ShardedOptimizer(Optimizer):
     def full_params(self) -> list[nn.Parameter]:
         return [s.param for s in self._slots]
 
-    def shard_of(self, param: torch.Tensor) -> nn.Parameter:
-        return self._full_to_shard[id(param)]
+    def shard_of(self, param: torch.Tensor) -> nn.Parameter | None:
+        """This rank's shard of a full parameter; None if the optimizer does not hold it."""
+        return self._full_to_shard.get(id(param))
 
     def __repr__(self) -> str:
         return f"ShardedOptimizer(rank={self._rank}/{self._world}, {self.optimizer!r})"

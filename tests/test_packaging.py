@@ -1,0 +1,168 @@
+"""What gets installed: the wheel's file list, the editable install, the CLI, the set-up docs.
+
+The folders callbacks/ and recipes/ sit at the repository root but must install as
+``zeropp_strategy.callbacks`` / ``zeropp_strategy.recipes``: generic top-level names in
+site-packages would collide with other projects (DESIGN.md, section 3).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+MAIN_COMMAND = "pip install torch==2.13.0 && pip install -e . && zeropp demo"
+TEST_COMMAND = 'pip install torch==2.13.0 && pip install -e ".[test]" && python -m pytest -x -q'
+TEST_MARKER = "<!-- test-command -->"
+
+
+# -- the wheel ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[zipfile.ZipFile]:
+    # Build from a clean copy of the packaging inputs: an in-tree build reuses build/,
+    # where files deleted from the source tree linger and would end up in the wheel.
+    tmp = tmp_path_factory.mktemp("wheel")
+    src = tmp / "src"
+    src.mkdir()
+    skip = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
+    for entry in REPO.iterdir():
+        if entry.is_file() and not entry.name.startswith("."):
+            shutil.copy2(entry, src / entry.name)
+    for folder in ("zeropp_strategy", "callbacks", "recipes"):
+        shutil.copytree(REPO / folder, src / folder, ignore=skip)
+
+    out = tmp / "dist"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(out), str(src)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, f"pip wheel failed:\n{proc.stdout}\n{proc.stderr}"
+    (path,) = out.glob("zeropp_strategy-*.whl")
+    with zipfile.ZipFile(path) as zf:
+        yield zf
+
+
+@pytest.fixture(scope="module")
+def wheel_names(wheel: zipfile.ZipFile) -> list[str]:
+    return wheel.namelist()
+
+
+def test_wheel_maps_callbacks_and_recipes_under_the_package(wheel_names: list[str]) -> None:
+    for required in (
+        "zeropp_strategy/__init__.py",
+        "zeropp_strategy/cli.py",
+        "zeropp_strategy/demo.py",
+        "zeropp_strategy/callbacks/__init__.py",
+        "zeropp_strategy/recipes/__init__.py",
+        "zeropp_strategy/data/tiny_corpus.txt",
+    ):
+        assert required in wheel_names, f"{required} missing from the wheel"
+    top_level = {name.split("/", 1)[0] for name in wheel_names}
+    dist_info = {t for t in top_level if t.endswith(".dist-info")}
+    assert len(dist_info) == 1
+    assert top_level - dist_info == {"zeropp_strategy"}, f"unexpected top-level entries: {sorted(top_level)}"
+
+
+def test_wheel_declares_the_console_script(wheel: zipfile.ZipFile, wheel_names: list[str]) -> None:
+    (name,) = [n for n in wheel_names if n.endswith(".dist-info/entry_points.txt")]
+    text = wheel.read(name).decode()
+    assert re.search(r"^\[console_scripts\]$", text, re.M), text
+    assert re.search(r"^zeropp\s*=\s*zeropp_strategy\.cli:main$", text, re.M), text
+
+
+# -- the editable install ----------------------------------------------------------------
+
+
+def test_editable_install_imports_mapped_packages() -> None:
+    import zeropp_strategy.callbacks
+    import zeropp_strategy.recipes
+
+    assert Path(zeropp_strategy.callbacks.__file__).parent.name == "callbacks"
+    assert Path(zeropp_strategy.recipes.__file__).parent.name == "recipes"
+
+
+def test_no_generic_top_level_names_outside_the_repo(tmp_path: Path) -> None:
+    # From another folder only the install is on sys.path, not the repository root.
+    code = (
+        "import importlib.util, zeropp_strategy.callbacks, zeropp_strategy.recipes; "
+        "print(importlib.util.find_spec('callbacks'), importlib.util.find_spec('recipes'))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "None None"
+
+
+# -- the CLI -----------------------------------------------------------------------------
+
+
+def test_cli_help_lists_demo(tmp_path: Path) -> None:
+    commands = [[sys.executable, "-m", "zeropp_strategy.cli", "--help"]]
+    if shutil.which("zeropp"):
+        commands.append(["zeropp", "--help"])
+    for command in commands:
+        proc = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        assert re.search(r"^\s+demo\s", proc.stdout, re.M), proc.stdout
+
+
+@pytest.mark.parametrize("argv", [["no-such-command"], []])
+def test_cli_usage_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    from zeropp_strategy import cli
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    assert "usage: zeropp" in capsys.readouterr().err
+
+
+def test_cli_forwards_flags_to_the_subcommand(monkeypatch: pytest.MonkeyPatch) -> None:
+    from zeropp_strategy import cli
+
+    seen: list[list[str]] = []
+    monkeypatch.setitem(cli.SUBCOMMANDS, "demo", (lambda argv: seen.append(argv) or 0, "demo"))
+    assert cli.main(["demo", "--strategy", "ddp", "--max-steps", "6"]) == 0
+    assert seen == [["--strategy", "ddp", "--max-steps", "6"]]
+
+
+# -- README set-up and CI ----------------------------------------------------------------
+
+
+def _section(markdown: str, title: str) -> str:
+    match = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", markdown, re.M | re.S)
+    assert match, f"README.md has no '## {title}' section"
+    return match.group(1)
+
+
+def _fenced_blocks(markdown: str) -> list[str]:
+    return [b.strip() for b in re.findall(r"^```[a-z]*\n(.*?)^```", markdown, re.M | re.S)]
+
+
+def test_readme_setup_has_exactly_the_two_commands() -> None:
+    readme = (REPO / "README.md").read_text()
+    assert _fenced_blocks(_section(readme, "Set-up")) == [MAIN_COMMAND, TEST_COMMAND]
+    # the block .ci/run extracts is the one right after the marker
+    after_marker = readme.split(TEST_MARKER, 1)[1]
+    assert _fenced_blocks(after_marker)[0] == TEST_COMMAND
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    script = REPO / ".ci" / "run"
+    assert os.access(script, os.X_OK), ".ci/run must be executable"
+    text = script.read_text()
+    assert "set -euo pipefail" in text
+    assert TEST_MARKER in text and "README.md" in text and 'eval "$test_command"' in text
+    assert "pip install torch==2.13.0" in text

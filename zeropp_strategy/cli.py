@@ -1,0 +1,49 @@
+"""The ``zeropp`` command: one subcommand per function.
+
+    zeropp --help
+    zeropp demo [--strategy ddp] [--max-steps 60] ...   # see `zeropp demo --help`
+
+A subcommand is a function ``argv -> exit code`` plus one line in ``SUBCOMMANDS``; it
+parses its own flags, so the top-level parser only picks the function and forwards the
+rest. Imports happen inside each function: `zeropp --help` must not pay for torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+
+def _demo(argv: list[str]) -> int:
+    from zeropp_strategy import demo
+
+    return demo.main(argv, prog="zeropp demo")
+
+
+# name -> (function, one-line help). Add `fit`, `consolidate`, `report`, `pipeline` here.
+SUBCOMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
+    "demo": (_demo, "train a tiny causal LM on 2 CPU processes under strategy='zeropp'"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="zeropp",
+        description="ZeRO stages 1/2/3 and ZeRO++ for PyTorch, as a Lightning strategy.",
+        epilog="Run `zeropp COMMAND --help` for a command's own flags.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (func, help_line) in SUBCOMMANDS.items():
+        # add_help=False: `zeropp demo --help` reaches the subcommand's own parser
+        sub.add_parser(name, help=help_line, add_help=False).set_defaults(func=func)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, rest = build_parser().parse_known_args(sys.argv[1:] if argv is None else argv)
+    return args.func(rest)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
