@@ -106,8 +106,8 @@ def has_meta(module: nn.Module) -> bool:
 def materialize(root: nn.Module, device: torch.device) -> None:
     """Allocate and initialize meta-device tensors, shard by shard.
 
-    Every module with tensors of its own gets ``reset_parameters()``; a Hugging Face
-    model's submodules get the model's ``_init_weights``. Either way each rank draws
+    A Hugging Face model's submodules get the model's ``_init_weights``; every other
+    module with tensors of its own gets ``reset_parameters()``. Either way each rank draws
     only its shard. Anything left uninitialized is an error, not garbage weights.
     """
     if not has_meta(root):
@@ -124,10 +124,12 @@ def materialize(root: nn.Module, device: torch.device) -> None:
         own = [*m.parameters(recurse=False), *m.buffers(recurse=False)]
         if not own:
             continue
-        if callable(getattr(m, "reset_parameters", None)):
-            m.reset_parameters()
-        elif id(m) in hf_init:
+        # Inside a Hugging Face model its own init wins: nn.Embedding.reset_parameters
+        # draws N(0, 1) where the model wants N(0, initializer_range).
+        if id(m) in hf_init:
             hf_init[id(m)](m)
+        elif callable(getattr(m, "reset_parameters", None)):
+            m.reset_parameters()
         else:
             missing.add(type(m).__name__)
     if missing:

@@ -1,0 +1,260 @@
+"""The plain (unquantized) collectives, each booking its bytes into a CommLedger.
+
+Three ways in, one per caller:
+- FSDP2 comm objects, ``LedgerAllGather`` / ``LedgerReduceScatter``, installed with
+  ``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter`` (stages 2/3);
+- a DDP comm hook, ``ledger_allreduce_hook`` (stage 1's gradient all-reduce);
+- thin wrappers, ``all_reduce`` / ``all_gather_into`` / ``broadcast`` (everything else).
+
+Bytes are booked when the collective is issued (before an async one completes): the
+payload is fixed by then, and booking at wait() would miss collectives nobody waits on.
+Byte counts follow [Note: ledger byte model] in ``ledger.py``.
+"""
+
+# No ``from __future__ import annotations`` here: DDP's register_comm_hook inspects the
+# hook's ``bucket`` annotation and requires the real ``dist.GradBucket`` object.
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from zeropp_strategy.comm.ledger import CommKind, CommLedger, Phase
+
+try:  # the comm ABCs are public API but only exported from the private module
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+except ImportError:  # pragma: no cover - a torch that re-exports them publicly
+    from torch.distributed.fsdp import AllGather, ReduceScatter  # type: ignore[attr-defined,no-redef]
+
+__all__ = [
+    "LedgerAllGather",
+    "LedgerHookState",
+    "LedgerReduceScatter",
+    "all_gather_into",
+    "all_reduce",
+    "broadcast",
+    "group_ranks",
+    "ledger_allreduce_hook",
+    "tensor_bytes",
+]
+
+_ReduceOp = dist.ReduceOp | dist.ReduceOp.RedOpType
+
+
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+# -- compat shims -----------------------------------------------------------------------
+# torch 2.13 deprecates the *_tensor names in favour of *_single (same semantics); older
+# torch (our minimum is 2.9) only has *_tensor. Pick once, at import, so no call warns.
+_ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None)
+_REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None)
+
+
+def _all_gather_flat(
+    output: torch.Tensor,
+    input: torch.Tensor,  # noqa: A002 - torch's own parameter name
+    group: dist.ProcessGroup | None,
+    async_op: bool,
+) -> dist.Work | None:
+    """Concatenate every rank's ``input`` into ``output`` (group-rank order)."""
+    if _ALL_GATHER_SINGLE is not None:
+        return _ALL_GATHER_SINGLE(output, input, group=group, async_op=async_op)
+    return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+
+
+def _reduce_scatter_flat(
+    output: torch.Tensor,
+    input: torch.Tensor,  # noqa: A002
+    group: dist.ProcessGroup | None,
+    op: _ReduceOp,
+    async_op: bool,
+) -> dist.Work | None:
+    """Reduce ``input`` over the group; group rank i keeps chunk i in ``output``."""
+    if _REDUCE_SCATTER_SINGLE is not None:
+        return _REDUCE_SCATTER_SINGLE(
+            output=output, input=input, group=group, op=op, async_op=async_op
+        )
+    return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+
+
+# -- group ranks ------------------------------------------------------------------------
+# Looked up on every collective, so cached. Weak keys: a destroyed group must not be
+# kept alive by us, and a new group reusing its address must not hit a stale entry.
+_RANKS_CACHE: weakref.WeakKeyDictionary[dist.ProcessGroup, tuple[int, ...]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def group_ranks(group: dist.ProcessGroup | None) -> list[int]:
+    """The global ranks of ``group`` in group-rank order (``None`` = the world group)."""
+    if group is None:
+        group = dist.group.WORLD
+    ranks = _RANKS_CACHE.get(group)
+    if ranks is None:
+        ranks = tuple(dist.get_process_group_ranks(group))
+        _RANKS_CACHE[group] = ranks
+    return list(ranks)
+
+
+# -- FSDP2 comm objects -----------------------------------------------------------------
+
+
+class LedgerAllGather(AllGather):
+    """FSDP2's parameter all-gather, booked as forward or backward by the ledger's phase.
+
+    Bytes per rank: ``input_tensor`` bytes (this rank's flat shard, FSDP's padding
+    included, since it is really sent) to every other rank of ``group``.
+    """
+
+    def __init__(self, ledger: CommLedger) -> None:
+        self.ledger = ledger
+
+    def allocate(
+        self,
+        size: Sequence[int | torch.SymInt],
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        kind = (
+            CommKind.PARAM_ALLGATHER_BWD
+            if self.ledger.current_phase is Phase.BACKWARD
+            else CommKind.PARAM_ALLGATHER_FWD
+        )
+        self.ledger.record_all_gather(kind, tensor_bytes(input_tensor), group_ranks(group))
+        return _all_gather_flat(output_tensor, input_tensor, group, async_op)
+
+
+class LedgerReduceScatter(ReduceScatter):
+    """FSDP2's gradient reduce-scatter, booked as ``GRAD_REDUCE``; ``op`` passes through.
+
+    Bytes per rank: ``output_tensor`` bytes (one chunk of the flat gradient, padding
+    included) to every other rank of ``group``.
+    """
+
+    def __init__(self, ledger: CommLedger) -> None:
+        self.ledger = ledger
+
+    def allocate(
+        self,
+        size: Sequence[int | torch.SymInt],
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: _ReduceOp,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        self.ledger.record_reduce_scatter(
+            CommKind.GRAD_REDUCE, tensor_bytes(output_tensor), group_ranks(group)
+        )
+        return _reduce_scatter_flat(output_tensor, input_tensor, group, op, async_op)
+
+
+# -- thin wrappers ----------------------------------------------------------------------
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    *,
+    ledger: CommLedger,
+    kind: CommKind,
+    group: dist.ProcessGroup | None = None,
+    op: _ReduceOp = dist.ReduceOp.SUM,
+    async_op: bool = False,
+) -> dist.Work | None:
+    """In-place all-reduce of ``tensor``.
+
+    Bytes per rank: ``ceil(2 * tensor_bytes / n)`` to every other rank of the group.
+    """
+    ledger.record_all_reduce(kind, tensor_bytes(tensor), group_ranks(group))
+    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+def all_gather_into(
+    output: torch.Tensor,
+    input: torch.Tensor,  # noqa: A002
+    *,
+    ledger: CommLedger,
+    kind: CommKind,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> dist.Work | None:
+    """Gather every rank's ``input`` into the flat ``output`` (``n * input.numel()``).
+
+    Bytes per rank: ``input`` bytes to every other rank of the group.
+    """
+    ledger.record_all_gather(kind, tensor_bytes(input), group_ranks(group))
+    return _all_gather_flat(output, input, group, async_op)
+
+
+def broadcast(
+    tensor: torch.Tensor,
+    src: int,
+    *,
+    ledger: CommLedger,
+    kind: CommKind,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> dist.Work | None:
+    """Broadcast ``tensor`` from global rank ``src`` in place.
+
+    Bytes per rank: ``tensor`` bytes to every other rank of the group on ``src``;
+    nothing on the other ranks.
+    """
+    ledger.record_broadcast(kind, tensor_bytes(tensor), src, group_ranks(group))
+    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+
+
+# -- DDP comm hook (stage 1) ------------------------------------------------------------
+
+
+@dataclass
+class LedgerHookState:
+    """State for ``ledger_allreduce_hook``: where to book, and which group (None = world)."""
+
+    ledger: CommLedger
+    process_group: dist.ProcessGroup | None = None
+
+
+def ledger_allreduce_hook(
+    state: LedgerHookState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """Average one gradient bucket over the group, as DDP does without a hook, and book it.
+
+        ddp.register_comm_hook(LedgerHookState(ledger), ledger_allreduce_hook)
+
+    Bytes per rank: ``ceil(2 * bucket_bytes / n)`` to every other rank, kind
+    ``GRAD_REDUCE``.
+
+    DDP's built-in path scales each gradient by the double ``1 / n`` while copying it
+    into the bucket (``mul``), then SUM-all-reduces. ``x / n`` and ``x * (1 / n)`` differ
+    in the last bit when ``n`` is not a power of two, so we multiply by the same scalar
+    too: the grads are then bit-identical to hook-less DDP for any group size.
+    """
+    group = state.process_group if state.process_group is not None else dist.group.WORLD
+    buffer = bucket.buffer()
+    buffer.mul_(1.0 / dist.get_world_size(group))
+    state.ledger.record_all_reduce(CommKind.GRAD_REDUCE, tensor_bytes(buffer), group_ranks(group))
+    work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    # DDP copies the future's tensor back into the bucket; the reduced buffer is it.
+    return work.get_future().then(lambda fut: fut.value()[0])
