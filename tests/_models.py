@@ -33,6 +33,10 @@ class Net(nn.Module):
         self.head = nn.Linear(width, 5)
         self.scale = nn.Parameter(torch.tensor(1.0))  # a 0-dim parameter
 
+    def reset_parameters(self) -> None:  # its own 0-dim param, for meta-device init
+        with torch.no_grad():
+            self.scale.fill_(1.0)
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:  # idx: (B, T) -> (B, 5)
         x = self.embed(idx)
         for b in self.blocks:
@@ -117,3 +121,90 @@ def trainer_kwargs(devices: int, **overrides):
     )
     kw.update(overrides)
     return kw
+
+
+class MetaInitModule(ParityModule):
+    """Builds the net on the meta device; the strategy materializes each rank's shard."""
+
+    def configure_model(self) -> None:
+        if self.net is not None:
+            return
+        with torch.device("meta"):
+            self.net = Net()
+
+
+class CompiledModule(ParityModule):
+    def configure_model(self) -> None:
+        if self.net is not None:
+            return
+        super().configure_model()
+        # aot_eager: exercises dynamo + autograd tracing through the strategy's hooks
+        # without spending the suite's time in inductor's C++ compile.
+        self.net.blocks = nn.ModuleList(torch.compile(b, backend="aot_eager") for b in self.net.blocks)
+
+
+class ManualTwoOptimizers(ParityModule):
+    """Manual optimization with two optimizers (GAN-style alternating updates)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        opt_body, opt_head = self.optimizers()
+        loss = nn.functional.cross_entropy(self(x), y)
+        opt_body.zero_grad()
+        opt_head.zero_grad()
+        self.manual_backward(loss)
+        opt_body.step()
+        opt_head.step()
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self):
+        head = list(self.net.head.parameters())
+        head_ids = {id(p) for p in head}
+        body = [p for p in self.parameters() if id(p) not in head_ids]
+        return torch.optim.AdamW(body, lr=1e-2), torch.optim.SGD(head, lr=5e-2, momentum=0.9)
+
+
+def tiny_llama_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        intermediate_size=64, vocab_size=61, max_position_embeddings=32, tie_word_embeddings=False,
+    )
+
+
+class LoraLlama(LightningModule):
+    """A tiny transformers Llama with peft LoRA adapters on q/v projections."""
+
+    def __init__(self, meta_init: bool = False) -> None:
+        super().__init__()
+        self.meta_init = meta_init
+        self.model = None
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        from peft import LoraConfig, get_peft_model
+        from transformers import LlamaForCausalLM
+
+        torch.manual_seed(99)
+        base = LlamaForCausalLM(tiny_llama_config())
+        self.model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+
+    def training_step(self, batch, batch_idx):
+        (ids,) = batch
+        loss = self.model(input_ids=ids, labels=ids).loss
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(5)
+        return DataLoader(TensorDataset(torch.randint(0, 61, (64, 12), generator=g)), batch_size=4)

@@ -218,6 +218,10 @@ class ZeroPPStrategy(ParallelStrategy):
     def reset_comm_stats(self) -> None:
         self.comm_ledger.reset()
 
+    def _fsdp_groups(self) -> list[Module]:
+        """The modules FSDP2 shards as one group each (blocks, then the root)."""
+        return list(fsdp_modules(self.model)) if self.model is not None else []
+
     def memory_stats(self) -> MemoryStats:
         """Bytes this rank holds in params/grads/optimizer state, beside the stage's formula."""
         assert self.lightning_module is not None
