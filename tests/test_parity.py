@@ -155,16 +155,33 @@ def test_memory_matches_stage_formula(results):
     assert s3["param_bytes"] <= s1["param_bytes"] * 1.3 / world
 
 
-def test_stage3_bytes_fall_with_ranks():
-    """Stage-3 per-rank bytes at 4 ranks are about half those at 2 ranks."""
-    two = run_ranks(_memory_only, 2, timeout_s=300)[0]
-    four = run_ranks(_memory_only, 4, timeout_s=300)[0]
-    ratio = four["total_bytes"] / two["total_bytes"]
+def test_stage3_bytes_fall_with_ranks_and_ledger_splits_nodes():
+    """Stage-3 per-rank bytes at 4 ranks are about half those at 2 ranks; with 4 ranks as
+    2 simulated nodes x 2, every gather/reduce-scatter sends to 1 intra-node peer and 2
+    inter-node peers, so the ledger's inter-node bytes are exactly twice the intra."""
+    two = run_ranks(_stage3_small, 2, (0,), timeout_s=300)[0]
+    four = run_ranks(_stage3_small, 4, (2,), timeout_s=300)
+    ratio = four[0]["memory"]["total_bytes"] / two["memory"]["total_bytes"]
     assert 0.45 <= ratio <= 0.62, ratio
+    for rank, r in enumerate(four):
+        for kind in ("param_allgather_fwd", "param_allgather_bwd", "grad_reduce"):
+            k = r["comm"]["by_kind"][kind]
+            assert k["intra_bytes"] > 0 and k["inter_bytes"] == 2 * k["intra_bytes"], (rank, kind, k)
+        assert r["node"] == rank // 2
 
 
-def _memory_only(rank: int, world: int) -> dict:
-    import zeropp_strategy  # noqa: F401
+def _stage3_small(rank: int, world: int, simulated_nodes: int) -> dict:
+    import zeropp_strategy
+    from lightning.pytorch import Trainer, seed_everything
 
-    trainer, _, _ = _fit("zeropp_stage_3", world, {"max_steps": 2})
-    return trainer.strategy.memory_stats().as_dict()
+    from tests._models import ParityModule, trainer_kwargs
+
+    seed_everything(0)
+    strategy = zeropp_strategy.ZeroPPStrategy(stage=3, simulated_nodes=simulated_nodes)
+    trainer = Trainer(strategy=strategy, **trainer_kwargs(world, max_steps=2))
+    trainer.fit(ParityModule())
+    return {
+        "memory": trainer.strategy.memory_stats().as_dict(),
+        "comm": trainer.strategy.comm_stats(),
+        "node": trainer.strategy.topology.node,
+    }

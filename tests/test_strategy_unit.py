@@ -1,0 +1,133 @@
+"""Single-process checks of the strategy's surface: registry, config resolution,
+precision translation, wrap policy, stage-1 partitioning and memory counting."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import zeropp_strategy
+from zeropp_strategy import PRESETS, ZeroConfig, ZeroPPPrecision, ZeroPPStrategy
+from zeropp_strategy.engine.stage1 import row_range
+from zeropp_strategy.engine.wrap import select_blocks
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_registry_names_resolve_in_lightning(name):
+    from lightning.pytorch import Trainer
+
+    trainer = Trainer(strategy=name, accelerator="cpu", devices=2, logger=False)
+    assert isinstance(trainer.strategy, ZeroPPStrategy)
+    assert trainer.strategy.stage == PRESETS[name]["stage"]
+
+
+def test_registry_names_resolve_in_pytorch_lightning():
+    pl = pytest.importorskip("pytorch_lightning")
+    trainer = pl.Trainer(strategy="zeropp_stage_2", accelerator="cpu", devices=2, logger=False)
+    assert type(trainer.strategy).__name__ == "ZeroPPStrategy"
+    assert isinstance(trainer.strategy, pl.strategies.ParallelStrategy)
+    assert trainer.strategy.stage == 2
+
+
+def test_config_sources(tmp_path):
+    assert ZeroPPStrategy(stage=2).config.stage == 2
+    assert ZeroPPStrategy(config={"stage": 1, "reduce_bucket_bytes": 4096}).config.reduce_bucket_bytes == 4096
+    yml = tmp_path / "zero.yaml"
+    yml.write_text("zero:\n  stage: 2\n  wrap_modules: [Block]\n")
+    assert ZeroPPStrategy(config=yml).config.wrap_modules == ("Block",)
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 3, "reduce_bucket_size": 1000}}))
+    cfg = ZeroPPStrategy(config=ds, activation_checkpointing=True).config
+    assert (cfg.stage, cfg.reduce_bucket_bytes, cfg.activation_checkpointing) == (3, 4000, True)
+
+
+def test_bad_config_errors_name_the_field():
+    with pytest.raises(ValueError, match=r"ZeroConfig\.stage=5 .*Fix"):
+        ZeroPPStrategy(stage=5)
+    with pytest.raises(ValueError, match="stag"):
+        ZeroPPStrategy(stag=3)
+    with pytest.raises(TypeError, match="ZeroPPStrategy\\(config=42\\)"):
+        ZeroPPStrategy(config=42)
+
+
+def test_precision_translation():
+    from lightning.pytorch import Trainer
+
+    t = Trainer(strategy="zeropp_stage_3", accelerator="cpu", devices=2, precision="bf16-mixed", logger=False)
+    plugin = t.strategy.precision_plugin
+    assert isinstance(plugin, ZeroPPPrecision) and plugin.precision == "bf16-mixed"
+    assert plugin.mp_policy().param_dtype == torch.bfloat16
+    assert plugin.mp_policy().reduce_dtype == torch.float32
+    t = Trainer(strategy="zeropp_stage_3", accelerator="cpu", devices=2, precision="bf16-true", logger=False)
+    assert t.strategy.precision_plugin.mp_policy().param_dtype is None
+    t = Trainer(strategy="zeropp_stage_1", accelerator="cpu", devices=2, plugins=[ZeroPPPrecision("16-mixed")])
+    assert t.strategy.precision_plugin.scaler is not None
+    with pytest.raises(ValueError, match="64-true"):
+        Trainer(strategy="zeropp_stage_1", accelerator="cpu", devices=2, precision="64-true")
+
+
+def test_wrap_policy_hf_user_and_size():
+    from transformers import LlamaForCausalLM
+
+    from tests._models import Net, tiny_llama_config
+
+    llama = LlamaForCausalLM(tiny_llama_config())
+    blocks = select_blocks(llama, wrap_modules=(), wrap_min_params=10**9)
+    assert [type(b).__name__ for b in blocks] == ["LlamaDecoderLayer"] * 2
+    net = Net()
+    assert select_blocks(net, wrap_modules=("Block",), wrap_min_params=1) == list(net.blocks)
+    # Size-based: each Block has ~5.6k params; with a 5k threshold each Block is a group.
+    assert select_blocks(net, wrap_modules=(), wrap_min_params=5000) == list(net.blocks)
+    with pytest.raises(ValueError, match=r"wrap_modules=\['Nope'\].*Fix"):
+        select_blocks(net, wrap_modules=("Nope",), wrap_min_params=1)
+
+
+def test_nested_wrap_matches_keep_outermost():
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Sequential(nn.Linear(3, 3))
+
+    root = nn.Sequential(Outer(), Outer())
+    got = select_blocks(root, wrap_modules=("Outer", "Sequential"), wrap_min_params=1)
+    assert [type(m).__name__ for m in got] == ["Outer", "Outer"]
+
+
+@pytest.mark.parametrize("dim0", [0, 1, 3, 5, 8, 37])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_row_ranges_partition_every_row_once(dim0, world):
+    covered = []
+    for r in range(world):
+        lo, hi = row_range(dim0, r, world)
+        assert 0 <= lo <= hi <= dim0
+        covered.extend(range(lo, hi))
+    assert covered == list(range(dim0))
+    # Same layout as torch.chunk (what DTensor Shard(0) uses).
+    if dim0:
+        sizes = [c.shape[0] for c in torch.arange(dim0).chunk(world)]
+        assert [hi - lo for lo, hi in (row_range(dim0, r, world) for r in range(world))][: len(sizes)] == sizes
+
+
+def test_memory_stats_ddp_formula_single_process():
+    from zeropp_strategy.engine.memory import memory_stats
+
+    model = nn.Linear(10, 4)  # 44 params
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 10)).sum().backward()
+    opt.step()
+    m = memory_stats(model, [opt], stage=0, rank=0, world_size=1)
+    assert m.num_params == 44
+    assert m.param_bytes == m.predicted_param_bytes == 176
+    assert m.grad_bytes == m.predicted_grad_bytes == 176
+    assert m.predicted_optimizer_bytes == 352  # exp_avg + exp_avg_sq
+    assert m.optimizer_bytes >= 352  # + the per-parameter `step` counters
+    assert "formula MB" in m.format()
+
+
+def test_package_exports():
+    for name in zeropp_strategy.__all__:
+        assert getattr(zeropp_strategy, name) is not None
+    assert isinstance(ZeroConfig().digest(), str)
