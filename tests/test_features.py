@@ -153,7 +153,7 @@ def scenario_meta_init(rank):
     from tests._models import MetaInitModule
 
     out = {}
-    for stage in ("zeropp_stage_2", "zeropp_stage_3"):
+    for stage in STAGES:
         seed_everything(0)
         m = MetaInitModule()
         t = _trainer(stage, max_steps=4)
@@ -222,7 +222,7 @@ def scenario_activation_checkpointing(rank):
     t.fit(ref_model)
     ref = _full_state(t, ref_model)
     out = {}
-    for stage in (2, 3):
+    for stage in (1, 2, 3):
         seed_everything(0)
         m = ParityModule()
         strategy = ZeroPPStrategy(stage=stage, wrap_modules=["Block"], activation_checkpointing=True)
@@ -367,7 +367,8 @@ def test_meta_device_init_is_materialized_sharded(runs):
     for res in _ok(runs, "scenario_meta_init"):
         for stage, r in res.items():
             assert not r["meta_left"] and r["finite"], (stage, r)
-            assert r["param_bytes"] <= r["full_bytes"] * 0.65, (stage, r)  # ~1/2 at 2 ranks
+            if stage != "zeropp_stage_1":  # stage 1 replicates parameters by design
+                assert r["param_bytes"] <= r["full_bytes"] * 0.65, (stage, r)  # ~1/2 at 2 ranks
 
 
 def test_torch_compile(runs):
@@ -388,7 +389,8 @@ def test_fit_validate_test_predict_in_one_process(runs):
 def test_activation_checkpointing_matches_ddp(runs):
     for res in _ok(runs, "scenario_activation_checkpointing"):
         for stage, r in res.items():
-            assert r["diff"] <= 1e-6 and r["groups"] == 4, (stage, r)  # 3 blocks + root
+            assert r["diff"] <= 1e-6, (stage, r)
+            assert r["groups"] == (0 if stage == 1 else 4), (stage, r)  # 3 blocks + root
 
 
 def test_lora_with_peft(runs):

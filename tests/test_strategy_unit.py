@@ -124,10 +124,24 @@ def test_memory_stats_ddp_formula_single_process():
     assert m.grad_bytes == m.predicted_grad_bytes == 176
     assert m.predicted_optimizer_bytes == 352  # exp_avg + exp_avg_sq
     assert m.optimizer_bytes >= 352  # + the per-parameter `step` counters
-    assert "formula MB" in m.format()
+    assert "formula MiB" in m.format()
 
 
 def test_package_exports():
     for name in zeropp_strategy.__all__:
         assert getattr(zeropp_strategy, name) is not None
     assert isinstance(ZeroConfig().digest(), str)
+
+
+def test_planned_features_warn_instead_of_silently_doing_nothing():
+    from zeropp_strategy import ZeroConfigWarning
+
+    with pytest.warns(ZeroConfigWarning, match=r"quantized_weights=True .*offload_optimizer"):
+        ZeroPPStrategy(quantized_weights=True, offload_optimizer="cpu")
+
+
+def test_precision_device_is_bound_late():
+    """Lightning gives the plugin to the strategy before the devices are known."""
+    plugin = ZeroPPPrecision("16-mixed", device="cuda")
+    plugin.bind("cpu")
+    assert plugin.device == "cpu" and plugin.scaler._device == "cpu"

@@ -59,9 +59,16 @@ def local_grads(optimizer: Optimizer) -> list[Tensor]:
     return [_local(p.grad) for g in inner.param_groups for p in g["params"] if p.grad is not None]
 
 
-def _reduce(t: Tensor, op: dist.ReduceOp, group: Any) -> Tensor:
+def _reduce(t: Tensor, op: dist.ReduceOp, group: Any, ledger: Any = None) -> Tensor:
+    """All-reduce a scalar, booked as OTHER when a ledger is given (4 bytes to each peer... see ledger)."""
     if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(t, op=op, group=group)
+        if ledger is not None:
+            from zeropp_strategy.comm.collectives import all_reduce
+            from zeropp_strategy.comm.ledger import CommKind
+
+            all_reduce(t, ledger=ledger, kind=CommKind.OTHER, group=group, op=op)
+        else:
+            dist.all_reduce(t, op=op, group=group)
     return t
 
 
@@ -73,7 +80,9 @@ def _is_sharded(optimizer: Optimizer) -> bool:
 
 
 @torch.no_grad()
-def clip_grad_norm(optimizer: Optimizer, max_norm: float, *, group: Any = None, norm_type: float = 2.0) -> Tensor:
+def clip_grad_norm(
+    optimizer: Optimizer, max_norm: float, *, group: Any = None, norm_type: float = 2.0, ledger: Any = None
+) -> Tensor:
     """Clip by the global norm over every rank's shard; returns the total norm.
 
     Stage 1 gradients are replicated, so the norm is computed locally exactly as DDP
@@ -95,7 +104,7 @@ def clip_grad_norm(optimizer: Optimizer, max_norm: float, *, group: Any = None, 
         def amax(ts: list[Tensor]) -> Tensor:
             return torch.stack([t.abs().max().float() for t in ts if t.numel()] or [torch.zeros((), device=device)]).max()
 
-        total = torch.maximum(_reduce(amax(sharded).clone(), dist.ReduceOp.MAX, group), amax(replicated))
+        total = torch.maximum(_reduce(amax(sharded).clone(), dist.ReduceOp.MAX, group, ledger), amax(replicated))
     else:
         def powsum(ts: list[Tensor]) -> Tensor:
             acc = torch.zeros((), dtype=torch.float32, device=device)
@@ -103,7 +112,7 @@ def clip_grad_norm(optimizer: Optimizer, max_norm: float, *, group: Any = None, 
                 acc += torch.linalg.vector_norm(t.float(), norm_type) ** norm_type
             return acc
 
-        total = (_reduce(powsum(sharded), dist.ReduceOp.SUM, group) + powsum(replicated)) ** (1.0 / norm_type)
+        total = (_reduce(powsum(sharded), dist.ReduceOp.SUM, group, ledger) + powsum(replicated)) ** (1.0 / norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in [*sharded, *replicated]:
         g.mul_(coef.to(g.dtype))
@@ -120,9 +129,10 @@ def clip_grad_value(optimizer: Optimizer, clip_value: float) -> None:
 class ShardedGradScaler(torch.amp.GradScaler):
     """``torch.amp.GradScaler`` whose inf/NaN check is global (see [Note: global inf check])."""
 
-    def __init__(self, device: str = "cuda", *, group: Any = None, **kwargs: Any) -> None:
+    def __init__(self, device: str = "cuda", *, group: Any = None, ledger: Any = None, **kwargs: Any) -> None:
         super().__init__(device=device, **kwargs)
         self.group = group
+        self.ledger = ledger
 
     def _unscale_grads_(  # type: ignore[override]
         self, optimizer: Optimizer, inv_scale: Tensor, found_inf: Tensor, allow_fp16: bool
@@ -137,7 +147,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
                 torch._amp_foreach_non_finite_check_and_unscale_(grads, f, inv_scale.to(device))
             # A rank whose shards are all empty still has to take part in the all-reduce.
             merged = sum((f.to(found_inf.device) for f in per_device.values()), torch.zeros_like(found_inf))
-            merged = _reduce(merged.clamp_(max=1.0), dist.ReduceOp.MAX, self.group)
+            merged = _reduce(merged.clamp_(max=1.0), dist.ReduceOp.MAX, self.group, self.ledger)
         return {found_inf.device: merged}
 
 
@@ -152,9 +162,24 @@ class ZeroPPPrecision(Precision):
             )
         self.precision = precision  # type: ignore[assignment]
         self.device = device
-        if precision == "16-mixed" and scaler is None:
+        self._own_scaler = precision == "16-mixed" and scaler is None
+        if self._own_scaler:
             scaler = ShardedGradScaler(device=device)
         self.scaler = scaler
+        self.ledger: Any = None
+
+    def bind(self, device_type: str, ledger: Any = None, group: Any = None) -> None:
+        """Called by the strategy once the device is known.
+
+        Lightning hands the plugin to the strategy before it sets the devices, so the
+        autocast device and the scaler are fixed here, not in ``__init__``.
+        """
+        if self._own_scaler and device_type != self.device:
+            self.scaler = ShardedGradScaler(device=device_type)
+        self.device = device_type
+        self.ledger = ledger
+        if isinstance(self.scaler, ShardedGradScaler):
+            self.scaler.group, self.scaler.ledger = group, ledger
 
     # -- dtypes ---------------------------------------------------------------------------
 
@@ -246,7 +271,7 @@ class ZeroPPPrecision(Precision):
         if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
             clip_grad_value(optimizer, clip_val)
         else:
-            clip_grad_norm(optimizer, clip_val)
+            clip_grad_norm(optimizer, clip_val, ledger=self.ledger)
 
     def main_params(self, optimizer: Optimizer) -> Iterable[Tensor]:  # type: ignore[override]
         inner = getattr(optimizer, "_optimizer", optimizer)
@@ -269,4 +294,6 @@ def from_lightning_plugin(plugin: Precision, device: str) -> ZeroPPPrecision:
     flag = str(getattr(plugin, "precision", "32-true"))
     if flag in ("32", "32-true"):
         flag = "32-true"
-    return ZeroPPPrecision(flag, device=device)  # type: ignore[arg-type]
+    # Lightning's MixedPrecision knows the accelerator ("cuda"/"cpu"); ours is rebound in
+    # setup_environment anyway (see ZeroPPPrecision.bind).
+    return ZeroPPPrecision(flag, device=getattr(plugin, "device", device))  # type: ignore[arg-type]

@@ -60,7 +60,8 @@ from zeropp_strategy.comm.ledger import CommLedger, Phase
 from zeropp_strategy.config import ZeroConfig
 from zeropp_strategy.comm.collectives import all_reduce
 from zeropp_strategy.comm.ledger import CommKind
-from zeropp_strategy.engine.fsdp import fsdp_modules, is_sharded, replicated_params, shard_module
+from zeropp_strategy.engine.fsdp import fsdp_modules, is_sharded, materialize, replicated_params, shard_module
+from zeropp_strategy.engine.wrap import apply_activation_checkpointing, select_blocks
 from zeropp_strategy.engine.memory import MemoryStats, memory_stats
 from zeropp_strategy.engine.stage1 import ShardedOptimizer
 from zeropp_strategy.engine.state import (
@@ -98,6 +99,40 @@ def _resolve_config(config: ZeroConfig | Mapping[str, Any] | str | Path | None, 
             "to a YAML/DeepSpeed JSON file. Fix: pass one of those."
         )
     return base.replace(**overrides) if overrides else base
+
+
+#: Fields that validate today but whose feature lands in a later release.
+_PLANNED = {
+    "quantized_weights": ("qwZ quantized weight all-gather", False),
+    "hpz_partition_size": ("hpZ secondary partition", 1),
+    "quantized_gradients": ("qgZ quantized gradient reduce-scatter", False),
+    "quantize_frozen_weights": ("int8 storage of frozen weights", False),
+}
+
+
+def _warn_unimplemented(config: ZeroConfig) -> None:
+    """Say so, loudly and once, when a config asks for a feature not built yet."""
+    import warnings
+
+    from zeropp_strategy.config import ZeroConfigWarning
+
+    asked = [
+        f"{name}={getattr(config, name)!r} ({what})"
+        for name, (what, default) in _PLANNED.items()
+        if getattr(config, name) != default
+    ]
+    for name in ("offload_optimizer", "offload_param"):
+        if getattr(config, name).device != "none":
+            asked.append(f"{name}.device={getattr(config, name).device!r} (offload)")
+    if asked:
+        warnings.warn(
+            "ZeroConfig asks for features this version does not implement yet: "
+            + "; ".join(asked)
+            + ". Training runs without them (plain ZeRO collectives, no offload). Fix: remove these "
+            "settings to silence this warning, or upgrade when they land.",
+            ZeroConfigWarning,
+            stacklevel=3,
+        )
 
 
 class ZeroPPStrategy(ParallelStrategy):
@@ -147,6 +182,8 @@ class ZeroPPStrategy(ParallelStrategy):
         self._fsdp_redirection = _ForwardRedirection()
         self._ddp_redirection = _DDPForwardRedirection()
         self._grad_sync = True  # False inside block_backward_sync (accumulation)
+        self._checkpointed = False
+        _warn_unimplemented(self.config)
 
     # -- identity and sizes ---------------------------------------------------------------
 
@@ -276,6 +313,7 @@ class ZeroPPStrategy(ParallelStrategy):
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         self._meshes = self._topology.build_meshes(self.root_device.type)
         self._ledger = CommLedger(self._topology)
+        self.precision_plugin.bind(self.root_device.type, self._ledger, self._meshes.world.get_group())
         rank_zero_info(f"zeropp: stage {self.stage}, {self._topology.describe()}")
 
     def set_world_ranks(self) -> None:
@@ -291,8 +329,17 @@ class ZeroPPStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if self.stage == 1:
+            # Meta-device init: materialize the full module; DDP's construction then
+            # broadcasts rank 0's values, so every replica starts identical.
+            materialize(self.model, self.root_device)
             self.model = self.precision_plugin.convert_module(self.model)
             self.model_to_device()
+            if fitting and self.config.activation_checkpointing and not self._checkpointed:
+                blocks = select_blocks(
+                    self.model, wrap_modules=self.config.wrap_modules, wrap_min_params=self.config.wrap_min_params
+                )
+                apply_activation_checkpointing(blocks)
+                self._checkpointed = True
             if fitting:
                 self.model = self._wrap_ddp(self.model)
                 self.setup_optimizers(trainer)
@@ -318,12 +365,18 @@ class ZeroPPStrategy(ParallelStrategy):
 
     def _wrap_ddp(self, module: Module) -> DistributedDataParallel:
         device_ids = None if self.root_device.type == "cpu" else [self.root_device.index]
+        # gradient_as_bucket_view: grads live in DDP's buckets instead of beside them
+        # (saves g*P bytes per rank); ShardedOptimizer's shard grads are views of those.
         ddp = DistributedDataParallel(
             module,
             device_ids=device_ids,
             bucket_cap_mb=self.config.reduce_bucket_bytes / 2**20,
             process_group=self.meshes.world.get_group(),
+            gradient_as_bucket_view=True,
         )
+        # DDP broadcast rank 0's parameters and buffers at construction: book it.
+        state_bytes = sum(t.numel() * t.element_size() for t in module.state_dict().values())
+        self.comm_ledger.record_broadcast(CommKind.OTHER, state_bytes, 0, list(range(self.world_size)))
         ddp.register_comm_hook(LedgerHookState(self.comm_ledger, self.meshes.world.get_group()), ledger_allreduce_hook)
         return ddp
 
@@ -402,13 +455,19 @@ class ZeroPPStrategy(ParallelStrategy):
         Bytes sent per rank: one all-reduce of 4 bytes per such parameter, booked as
         GRAD_REDUCE.
         """
-        grads = [p.grad for p in replicated_params(self.model) if p.grad is not None]
-        if not grads:
+        # Every rank reduces the same list (a rank where a param got no grad sends zeros),
+        # so the collective matches even if the param was used on some ranks only.
+        params = [p for p in replicated_params(self.model) if p.requires_grad]
+        if not params:
             return
-        flat = torch.stack([g.float() for g in grads]) / self.world_size
+        flat = torch.stack([p.grad.float() if p.grad is not None else p.new_zeros((), dtype=torch.float32) for p in params])
+        flat /= self.world_size
         all_reduce(flat, ledger=self.comm_ledger, kind=CommKind.GRAD_REDUCE, group=self.meshes.world.get_group())
-        for g, v in zip(grads, flat):
-            g.copy_(v)
+        for p, v in zip(params, flat):
+            if p.grad is None:
+                p.grad = v.to(p.dtype).clone()
+            else:
+                p.grad.copy_(v)
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:

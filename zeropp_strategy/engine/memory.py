@@ -96,11 +96,11 @@ class MemoryStats:
             ("total", self.total_bytes, self.predicted_total_bytes),
         ]
         lines = [f"memory rank {self.rank} (stage {self.stage}, N={self.world_size}, P={self.num_params:,})"]
-        lines.append(f"  {'':10s} {'held MB':>10s} {'formula MB':>11s}")
+        lines.append(f"  {'':10s} {'held MiB':>10s} {'formula MiB':>11s}")
         lines += [f"  {name:10s} {held / mb:10.3f} {pred / mb:11.3f}" for name, held, pred in rows]
-        lines.append(f"  peak RSS {self.peak_rss_bytes / mb:.1f} MB")
+        lines.append(f"  peak RSS {self.peak_rss_bytes / mb:.1f} MiB")
         if self.cuda_allocated_bytes:
-            lines.append(f"  CUDA allocated {self.cuda_allocated_bytes / mb:.1f} MB")
+            lines.append(f"  CUDA allocated {self.cuda_allocated_bytes / mb:.1f} MiB")
         return "\n".join(lines)
 
 

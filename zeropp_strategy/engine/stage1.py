@@ -168,7 +168,7 @@ class ShardedOptimizer(Optimizer):
             if set_to_none:
                 s.param.grad = None
             else:
-                s.param.grad.detach_().zero_()
+                s.param.grad.zero_()  # may be a DDP bucket view: zero in place, never detach
 
     def _bind_grads(self) -> None:
         for s in self._slots:
