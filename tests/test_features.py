@@ -29,7 +29,9 @@ def _full_state(trainer, model):
     from zeropp_strategy import ZeroPPStrategy
 
     if isinstance(trainer.strategy, ZeroPPStrategy):
-        return trainer.strategy.lightning_module_state_dict()
+        from zeropp_strategy.engine.state import full_model_state
+
+        return full_model_state(trainer.lightning_module)
     return {k: v.detach().float().clone() for k, v in model.state_dict().items()}
 
 

@@ -45,7 +45,9 @@ def _fit(strategy: str, world: int, variant: dict):
     if strategy == "ddp":
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     else:
-        state = trainer.strategy.lightning_module_state_dict()
+        from zeropp_strategy.engine.state import full_model_state
+
+        state = full_model_state(trainer.lightning_module)
     assert all(torch.isfinite(v).all() for v in state.values())
     return trainer, model, state
 

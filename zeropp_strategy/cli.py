@@ -21,9 +21,16 @@ def _demo(argv: list[str]) -> int:
     return demo.main(argv, prog="zeropp demo")
 
 
+def _consolidate(argv: list[str]) -> int:
+    from zeropp_strategy.checkpoint import consolidate
+
+    return consolidate.main(argv, prog="zeropp consolidate")
+
+
 # name -> (function, one-line help). Add `fit`, `consolidate`, `report`, `pipeline` here.
 SUBCOMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "demo": (_demo, "train a tiny causal LM on 2 CPU processes under strategy='zeropp'"),
+    "consolidate": (_consolidate, "sharded checkpoint -> one Lightning file, or a Hugging Face folder (--hf)"),
 }
 
 

@@ -64,6 +64,25 @@ from zeropp_strategy.engine.fsdp import fsdp_modules, is_sharded, materialize, r
 from zeropp_strategy.engine.wrap import apply_activation_checkpointing, select_blocks
 from zeropp_strategy.engine.memory import MemoryStats, memory_stats
 from zeropp_strategy.engine.stage1 import ShardedOptimizer
+from zeropp_strategy.checkpoint.atomic import (
+    META_FILE,
+    atomic_torch_save,
+    new_nonce,
+    publish,
+    remove_path,
+    safe_load,
+    staged_directory,
+)
+from zeropp_strategy.checkpoint.sharded import (
+    FORMAT,
+    VERSION,
+    hf_models,
+    load_model,
+    load_optimizer,
+    model_tensors,
+    optimizer_tensors_and_meta,
+    save_tensors,
+)
 from zeropp_strategy.engine.state import (
     full_model_state,
     full_optimizer_state,
@@ -74,6 +93,7 @@ from zeropp_strategy.precision import ZeroPPPrecision, from_lightning_plugin
 from zeropp_strategy.topology import Meshes, Topology
 
 log = logging.getLogger(__name__)
+_TENSORS = "__zeropp_tensors__"  # optimizer_state() -> save_checkpoint hand-off key
 
 #: Registry names -> ZeroConfig fields they set. ``zeropp`` is stage 3 plus ZeRO++.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -183,6 +203,7 @@ class ZeroPPStrategy(ParallelStrategy):
         self._ddp_redirection = _DDPForwardRedirection()
         self._grad_sync = True  # False inside block_backward_sync (accumulation)
         self._checkpointed = False
+        self._sharded_path: Path | None = None
         _warn_unimplemented(self.config)
 
     # -- identity and sizes ---------------------------------------------------------------
@@ -510,25 +531,120 @@ class ZeroPPStrategy(ParallelStrategy):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
-    # -- checkpoints (full format; every rank takes part in the gathers) -----------------
+    # -- checkpoints ----------------------------------------------------------------------
+    # Two formats (see docs/checkpointing.md): "sharded", a directory every rank writes in
+    # parallel ([Note: sharded checkpoint format v1]); "full", one file rank 0 writes,
+    # identical in layout to what strategy="ddp" saves. Both are published atomically
+    # ([Note: atomic saves]). Loading detects the format from the path.
+
+    @property
+    def state_dict_type(self) -> str:
+        return self.config.resolved_state_dict_type()
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.lightning_module is not None
-        return full_model_state(self.lightning_module)
+        if self.state_dict_type == "sharded":
+            return model_tensors(self.lightning_module)
+        return full_model_state(self.lightning_module, keep=self.is_global_zero, ledger=self._ledger)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        return full_optimizer_state(optimizer)
+        if self.state_dict_type == "sharded":
+            assert self.lightning_module is not None
+            tensors, meta = optimizer_tensors_and_meta(self.lightning_module, optimizer)
+            return {_TENSORS: tensors, **meta}
+        return full_optimizer_state(optimizer, keep=self.is_global_zero, ledger=self._ledger)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        if storage_options is not None:
+            raise TypeError(
+                "ZeroPPStrategy.save_checkpoint(storage_options=...) is not supported: checkpoints are "
+                "written by the strategy, not a CheckpointIO plugin. Fix: drop storage_options."
+            )
+        path = Path(self.broadcast(str(filepath)))
+        nonce = self.broadcast(new_nonce())
+        if self.state_dict_type == "full" or not isinstance(checkpoint.get("state_dict"), dict):
+            if self.is_global_zero:
+                # The zeropp block lets `zeropp consolidate --hf` export full files too;
+                # strategy="ddp" ignores unknown top-level keys.
+                atomic_torch_save({**checkpoint, "zeropp": self._checkpoint_info()}, path)
+            self.barrier()
+            return
+        checkpoint = dict(checkpoint)
+        tensors: dict[str, Any] = {"model": checkpoint.pop("state_dict")}
+        optimizer_states = checkpoint.pop("optimizer_states", None)
+        if optimizer_states is not None:
+            tensors["optim"] = {str(i): dict(s)[_TENSORS] for i, s in enumerate(optimizer_states)}
+            checkpoint["optimizer_states"] = [{k: v for k, v in s.items() if k != _TENSORS} for s in optimizer_states]
+        checkpoint["zeropp"] = self._checkpoint_info()
+        with staged_directory(path, nonce, is_writer=self.is_global_zero) as tmp:
+            self.barrier()  # the directory exists before anyone writes
+            save_tensors(tensors, tmp)
+            if self.is_global_zero:
+                torch.save(checkpoint, tmp / META_FILE)
+                tokenizer = getattr(self.lightning_module, "tokenizer", None)
+                if callable(getattr(tokenizer, "save_pretrained", None)):
+                    tokenizer.save_pretrained(str(tmp / "tokenizer"))
+            self.barrier()  # every shard is on disk
+            if self.is_global_zero:
+                publish(tmp, path, nonce)
+        self.barrier()
+
+    def _checkpoint_info(self) -> dict[str, Any]:
+        assert self.lightning_module is not None
+        has_tokenizer = callable(getattr(getattr(self.lightning_module, "tokenizer", None), "save_pretrained", None))
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "stage": self.stage,
+            "world_size": self.world_size,
+            "config": self.config.to_dict(),
+            "hf": hf_models(self.lightning_module),
+            "tokenizer_dir": "tokenizer" if has_tokenizer else None,
+        }
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        self._sharded_path = None
+        if path.is_dir():
+            if not (path / META_FILE).is_file():
+                raise FileNotFoundError(
+                    f"{path} is a directory without {META_FILE}, so it is not a complete zeropp sharded "
+                    "checkpoint (an interrupted save leaves a '.tmp-' sibling, never this name). Fix: pass a "
+                    "complete checkpoint; zeropp_strategy.checkpoint.find_checkpoints(dir) lists them."
+                )
+            self._sharded_path = path
+            return safe_load(path / META_FILE, weights_only)
+        if not path.is_file():
+            raise FileNotFoundError(f"checkpoint {path} does not exist. Fix: check ckpt_path.")
+        return safe_load(path, weights_only)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         assert self.lightning_module is not None
-        load_full_model_state(self.lightning_module, checkpoint["state_dict"], strict=strict)
+        if self._sharded_path is not None:
+            load_model(self.lightning_module, self._sharded_path, strict=strict)
+        else:
+            load_full_model_state(self.lightning_module, checkpoint["state_dict"], strict=strict)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         states = checkpoint.get("optimizer_states")
         if not states:
             return
-        for optimizer, state in zip(self.optimizers, states):
-            load_full_optimizer_state(optimizer, state)
+        if len(states) != len(self.optimizers):
+            raise ValueError(
+                f"checkpoint has {len(states)} optimizer states, this run configures {len(self.optimizers)}. "
+                "Fix: return the same optimizers from configure_optimizers."
+            )
+        for index, (optimizer, state) in enumerate(zip(self.optimizers, states)):
+            if self._sharded_path is not None:
+                assert self.lightning_module is not None
+                load_optimizer(self.lightning_module, optimizer, self._sharded_path, index, state)
+            else:
+                load_full_optimizer_state(optimizer, state)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """ModelCheckpoint's top-k removal: files and sharded directories alike."""
+        if self.is_global_zero:
+            remove_path(Path(filepath))
 
     # -- teardown and registry ----------------------------------------------------------
 

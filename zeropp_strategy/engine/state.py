@@ -23,16 +23,37 @@ from torch.optim import Optimizer
 from zeropp_strategy.engine.stage1 import ShardedOptimizer
 
 
-def to_full_cpu(value: Any) -> Any:
-    """DTensor -> gathered CPU tensor; tensors -> CPU; containers recursively."""
+def to_full_cpu(value: Any, *, keep: bool = True, ledger: Any = None) -> Any:
+    """DTensor -> gathered CPU tensor; tensors -> CPU; containers recursively.
+
+    Gathers one tensor at a time; with ``keep=False`` (ranks other than the writer) the
+    gathered copy is dropped at once, so only the writer ever holds the whole model, on
+    CPU. Bytes sent per rank per DTensor: its padded local shard to every peer (booked
+    as OTHER when a ledger is given).
+    """
     if isinstance(value, DTensor):
-        return value.full_tensor().cpu()
+        if ledger is not None:
+            from zeropp_strategy.comm.collectives import group_ranks
+            from zeropp_strategy.comm.ledger import CommKind
+
+            mesh = value.device_mesh
+            rows = -(-value.shape[0] // mesh.size()) if value.dim() else 1
+            shard = rows * (value[0].numel() if value.dim() else 1) * value.element_size()
+            ledger.record_all_gather(CommKind.OTHER, shard, group_ranks(mesh.get_group()))
+        full = value.full_tensor()
+        if not keep:
+            return None
+        # With one rank or a Replicate placement full_tensor() is the local tensor itself.
+        aliased = full.untyped_storage().data_ptr() == value.to_local().untyped_storage().data_ptr()
+        return full.to("cpu", copy=aliased)
     if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
+        # copy=True: a CPU tensor's .cpu() is itself, and the caller must not get an
+        # alias of a live parameter or optimizer counter that the next step changes.
+        return value.detach().to("cpu", copy=True) if keep else None
     if isinstance(value, Mapping):
-        return {k: to_full_cpu(v) for k, v in value.items()}
+        return {k: to_full_cpu(v, keep=keep, ledger=ledger) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(to_full_cpu(v) for v in value)
+        return type(value)(to_full_cpu(v, keep=keep, ledger=ledger) for v in value)
     return value
 
 
@@ -45,8 +66,20 @@ def _like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return full.to(device=like.device, dtype=like.dtype)
 
 
-def full_model_state(module: nn.Module) -> dict[str, Any]:
-    return to_full_cpu(module.state_dict())
+def follows_param(key: str, value: Any, param: torch.Tensor) -> bool:
+    """Whether an optimizer state entry is laid out like its parameter (sharded with it).
+
+    torch optimizers keep ``step`` as a plain scalar even for DTensor parameters, while
+    per-element state (``exp_avg``...) takes the parameter's layout; for a 0-dim
+    parameter both are 0-dim, so the shape alone cannot tell them apart.
+    """
+    return isinstance(value, torch.Tensor) and key != "step" and tuple(value.shape) == tuple(param.shape)
+
+
+def full_model_state(module: nn.Module, *, keep: bool = True, ledger: Any = None) -> dict[str, Any]:
+    """Collective. The writer (``keep=True``) gets the full CPU state; others get {}."""
+    state = to_full_cpu(module.state_dict(), keep=keep, ledger=ledger)
+    return state if keep else {}
 
 
 @torch.no_grad()
@@ -74,13 +107,16 @@ def _optimizer_params(optimizer: Optimizer) -> list[torch.Tensor]:
     return [p for g in optimizer.param_groups for p in g["params"]]
 
 
-def full_optimizer_state(optimizer: Optimizer) -> dict[str, Any]:
+def full_optimizer_state(optimizer: Optimizer, *, keep: bool = True, ledger: Any = None) -> dict[str, Any]:
     """``optimizer.state_dict()`` with every sharded state tensor gathered (collective)."""
     inner = getattr(optimizer, "_optimizer", optimizer)
     sd = inner.state_dict()
     # Iterate in a fixed order so every rank issues the same gathers.
-    state = {idx: {k: to_full_cpu(v) for k, v in sd["state"][idx].items()} for idx in sorted(sd["state"])}
-    return {"state": state, "param_groups": sd["param_groups"]}
+    state = {
+        idx: {k: to_full_cpu(v, keep=keep, ledger=ledger) for k, v in sd["state"][idx].items()}
+        for idx in sorted(sd["state"])
+    }
+    return {"state": state, "param_groups": sd["param_groups"]} if keep else {}
 
 
 @torch.no_grad()
@@ -96,9 +132,6 @@ def load_full_optimizer_state(optimizer: Optimizer, state_dict: Mapping[str, Any
                 f"{len(params)} parameters. Fix: build the same param groups in configure_optimizers."
             )
         p = params[idx]
-        state[idx] = {
-            k: (_like(v, p) if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == p.shape else v)
-            for k, v in entry.items()
-        }
+        state[idx] = {k: (_like(v, p) if follows_param(k, v, p) else v) for k, v in entry.items()}
     target = inner.optimizer if isinstance(inner, ShardedOptimizer) else inner
     target.load_state_dict({"state": state, "param_groups": state_dict["param_groups"]})

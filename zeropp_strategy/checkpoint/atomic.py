@@ -1,0 +1,152 @@
+"""Atomic checkpoint writes: a checkpoint either exists complete or not at all.
+
+[Note: atomic saves]
+Everything is written into a temporary sibling (``<name>.tmp-<nonce>``) and renamed
+onto ``<name>`` only once complete (rename is atomic within a file system). Saving over
+an existing checkpoint moves the old one aside (``<name>.old-<nonce>``), renames the new
+one in, then deletes the old one, so at every instant a complete checkpoint exists
+under ``<name>`` or under the ``.old-`` name. A SIGKILL mid-save leaves at most a
+``.tmp-`` sibling, which no loader treats as a checkpoint (``is_complete`` is False and
+``find_checkpoints`` skips it) and which the next save to that name removes.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+META_FILE = "zeropp_meta.pt"
+TMP_TAG = ".tmp-"
+OLD_TAG = ".old-"
+
+
+def new_nonce() -> str:
+    return secrets.token_hex(4)
+
+
+def tmp_sibling(path: Path, nonce: str) -> Path:
+    return path.with_name(f"{path.name}{TMP_TAG}{nonce}")
+
+
+def is_temporary(path: Path) -> bool:
+    return TMP_TAG in path.name or OLD_TAG in path.name
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(path: Path) -> None:
+    for root, _, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                os.fsync(f.fileno())
+        _fsync_dir(Path(root))
+
+
+def remove_stale(path: Path) -> None:
+    """Delete leftovers of interrupted saves of ``path`` (``.tmp-`` / ``.old-`` siblings)."""
+    parent = path.parent
+    if not parent.is_dir():
+        return
+    for sibling in parent.iterdir():
+        if sibling.name.startswith(path.name + TMP_TAG) or sibling.name.startswith(path.name + OLD_TAG):
+            _remove(sibling)
+
+
+def remove_path(path: Path) -> None:
+    """Delete a checkpoint file or sharded directory (ModelCheckpoint's top-k removal)."""
+    _remove(Path(path))
+
+
+def safe_load(path: Path, weights_only: bool | None = None) -> Any:
+    """``torch.load`` with ``weights_only=True`` unless the caller opted out explicitly."""
+    import pickle
+
+    weights_only = True if weights_only is None else weights_only
+    try:
+        return torch.load(path, map_location="cpu", weights_only=weights_only)
+    except pickle.UnpicklingError as err:
+        raise ValueError(
+            f"checkpoint {path} holds objects that weights_only loading refuses ({str(err).splitlines()[0]}). "
+            "Fix, only for files you trust: Trainer.fit(..., ckpt_path=..., weights_only=False), or allow the "
+            "named type with torch.serialization.add_safe_globals([...])."
+        ) from err
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    elif path.exists() or path.is_symlink():
+        path.unlink(missing_ok=True)
+
+
+def publish(tmp: Path, path: Path, nonce: str) -> None:
+    """Rename the complete ``tmp`` onto ``path`` (see [Note: atomic saves]). Rank 0 only."""
+    _fsync_tree(tmp) if tmp.is_dir() else None
+    old = path.with_name(f"{path.name}{OLD_TAG}{nonce}")
+    if path.exists() or path.is_symlink():
+        os.replace(path, old)
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+    _remove(old)
+
+
+def atomic_torch_save(obj: Any, path: Path) -> None:
+    """``torch.save`` to a temporary sibling, fsync, rename: no half-written file ever
+    carries the final name."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale(path)
+    nonce = new_nonce()
+    tmp = tmp_sibling(path, nonce)
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    publish(tmp, path, nonce)
+
+
+@contextmanager
+def staged_directory(path: Path, nonce: str, *, is_writer: bool) -> Iterator[Path]:
+    """Yield the temporary directory every rank writes into; the caller publishes it.
+
+    Rank 0 (``is_writer``) clears stale siblings and creates the directory; the others
+    must wait at a barrier before writing (the strategy does).
+    """
+    tmp = tmp_sibling(path, nonce)
+    if is_writer:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale(path)
+        tmp.mkdir(mode=0o700)
+    yield tmp
+
+
+def is_complete(path: Path) -> bool:
+    """A published checkpoint: a file, or a sharded directory with its meta file."""
+    path = Path(path)
+    if is_temporary(path) or not path.exists():
+        return False
+    return path.is_file() or (path / META_FILE).is_file()
+
+
+def find_checkpoints(directory: Path, pattern: str = "*") -> list[Path]:
+    """Complete checkpoints in ``directory``, oldest first (by modification time)."""
+    found = [p for p in Path(directory).glob(pattern) if is_complete(p)]
+    return sorted(found, key=lambda p: p.stat().st_mtime)
