@@ -83,7 +83,7 @@ BAD = [  # (kwargs, exception, substring that names the field)
     (dict(weight_quant_block_elems=131072), ValueError, "ZeroConfig.weight_quant_block_elems"),
     (dict(weight_quant_block_elems=True), TypeError, "ZeroConfig.weight_quant_block_elems"),
     (dict(weight_quant_block_elems=256.0), TypeError, "ZeroConfig.weight_quant_block_elems"),
-    (dict(hpz_partition_size=0), ValueError, "ZeroConfig.hpz_partition_size=0"),
+    (dict(hpz_partition_size=-1), ValueError, "ZeroConfig.hpz_partition_size=-1"),
     (dict(hpz_partition_size=True), TypeError, "ZeroConfig.hpz_partition_size"),
     (dict(stage=2, hpz_partition_size=8), ValueError, "ZeroConfig.hpz_partition_size=8"),
     (dict(quantized_gradients="yes"), TypeError, "ZeroConfig.quantized_gradients"),

@@ -136,8 +136,8 @@ def test_package_exports():
 def test_planned_features_warn_instead_of_silently_doing_nothing():
     from zeropp_strategy import ZeroConfigWarning
 
-    with pytest.warns(ZeroConfigWarning, match=r"quantized_weights=True .*offload_optimizer"):
-        ZeroPPStrategy(quantized_weights=True, offload_optimizer="cpu")
+    with pytest.warns(ZeroConfigWarning, match=r"quantize_frozen_weights=True .*offload_optimizer"):
+        ZeroPPStrategy(quantize_frozen_weights=True, offload_optimizer="cpu")
 
 
 def test_precision_device_is_bound_late():

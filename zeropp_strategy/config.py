@@ -175,8 +175,9 @@ class ZeroConfig:
     weight_quant_block_elems: int = 256
     """Elements per qwZ quantization block: a power of two in 32..65536."""
     hpz_partition_size: int = 1
-    """hpZ: ranks in a group holding a secondary parameter shard (usually ranks per node); 1 = off.
-    Backward then all-gathers within the group, not across nodes. > 1 needs stage 3."""
+    """hpZ: ranks in a group holding a secondary parameter shard (usually ranks per node); 1 = off,
+    0 = auto (ranks per node). Backward then all-gathers within the group, not across nodes.
+    Anything but 1 needs stage 3."""
     quantized_gradients: bool = False
     """qgZ: hierarchical quantized gradient reduce-scatter (intra-node, then inter-node). Stage 2 or 3."""
     gradient_quant_bits: int = 4
@@ -243,7 +244,7 @@ class ZeroConfig:
         if self.quantized_weights and stage < 3:
             _invalid(f"{w}.quantized_weights", True, "qwZ quantizes the parameter all-gather of stage 3, "
                      f"and stage {stage} does not gather parameters", "set stage=3, or quantized_weights=False")
-        if self.hpz_partition_size > 1 and stage < 3:
+        if self.hpz_partition_size != 1 and stage < 3:
             _invalid(f"{w}.hpz_partition_size", self.hpz_partition_size, "hpZ keeps a secondary shard of "
                      f"stage-3 parameters; stage {stage} does not shard them", "set stage=3, or hpz_partition_size=1")
         if self.quantized_gradients and stage < 2:
@@ -272,7 +273,7 @@ class ZeroConfig:
             _invalid(f"{w}(ranks_per_node)", ranks_per_node, f"exceeds world_size={world_size}",
                      "pass the number of ranks per node")
         hpz, nodes = self.hpz_partition_size, self.simulated_nodes
-        if hpz > world_size or world_size % hpz:
+        if hpz and (hpz > world_size or world_size % hpz):
             _invalid("ZeroConfig.hpz_partition_size", hpz, f"must divide world_size={world_size} (and be <= it) "
                      "to split the ranks into equal hpZ groups",
                      f"use a divisor of {world_size}, usually ranks per node ({ranks_per_node}), or 1 for no hpZ")
@@ -363,7 +364,7 @@ _FIELDS = tuple(f.name for f in dataclasses.fields(ZeroConfig))
 _BOOL_FIELDS = ("quantized_weights", "quantized_gradients", "quantized_gradients_on_single_node",
                 "quantize_frozen_weights", "activation_checkpointing")
 _INT_MINIMUMS = {  # field -> (smallest valid value, fix)
-    "hpz_partition_size": (1, "use 1 to turn hpZ off, or the number of ranks per node"),
+    "hpz_partition_size": (0, "use 1 to turn hpZ off, 0 for ranks per node, or the number of ranks per node"),
     "quantize_min_elems": (0, "use 0 to quantize every tensor, or e.g. 4096"),
     "wrap_min_params": (1, "use e.g. wrap_min_params=1_000_000"),
     "reduce_bucket_bytes": (1024, "use e.g. reduce_bucket_bytes=25 * 2**20"),

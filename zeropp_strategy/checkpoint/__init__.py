@@ -1,0 +1,5 @@
+"""Sharded and full checkpoints (see docs/checkpointing.md)."""
+
+from zeropp_strategy.checkpoint.atomic import META_FILE, find_checkpoints, is_complete, remove_path, safe_load
+
+__all__ = ["META_FILE", "find_checkpoints", "is_complete", "remove_path", "safe_load"]

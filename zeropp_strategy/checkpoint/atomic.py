@@ -83,10 +83,14 @@ def safe_load(path: Path, weights_only: bool | None = None) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=weights_only)
     except pickle.UnpicklingError as err:
+        # torch's message is long; keep the line that names the refused global.
+        lines = [ln.strip() for ln in str(err).splitlines() if "GLOBAL" in ln or "global" in ln.lower()]
+        named = lines[0] if lines else str(err).splitlines()[0]
         raise ValueError(
-            f"checkpoint {path} holds objects that weights_only loading refuses ({str(err).splitlines()[0]}). "
-            "Fix, only for files you trust: Trainer.fit(..., ckpt_path=..., weights_only=False), or allow the "
-            "named type with torch.serialization.add_safe_globals([...])."
+            f"checkpoint {path} holds objects that weights_only loading refuses ({named}). Fix, only for "
+            "files you trust: allow that type with torch.serialization.add_safe_globals([TheType]) before "
+            "fit/validate (Lightning does not pass Trainer.fit(weights_only=...) to strategies that "
+            "restore after setup), or `zeropp consolidate --unsafe-load` to rewrite the file once."
         ) from err
 
 
@@ -99,7 +103,12 @@ def _remove(path: Path) -> None:
 
 def publish(tmp: Path, path: Path, nonce: str) -> None:
     """Rename the complete ``tmp`` onto ``path`` (see [Note: atomic saves]). Rank 0 only."""
-    _fsync_tree(tmp) if tmp.is_dir() else None
+    if tmp.is_dir():
+        _fsync_tree(tmp)
+        # Staged privately (0700); published with the permissions any new directory gets.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)
     old = path.with_name(f"{path.name}{OLD_TAG}{nonce}")
     if path.exists() or path.is_symlink():
         os.replace(path, old)
@@ -146,7 +155,8 @@ def is_complete(path: Path) -> bool:
     return path.is_file() or (path / META_FILE).is_file()
 
 
-def find_checkpoints(directory: Path, pattern: str = "*") -> list[Path]:
-    """Complete checkpoints in ``directory``, oldest first (by modification time)."""
+def find_checkpoints(directory: Path, pattern: str = "*.ckpt") -> list[Path]:
+    """Complete checkpoints in ``directory`` matching ``pattern`` (Lightning names them
+    ``*.ckpt``, files and sharded directories alike), oldest first (modification time)."""
     found = [p for p in Path(directory).glob(pattern) if is_complete(p)]
     return sorted(found, key=lambda p: p.stat().st_mtime)

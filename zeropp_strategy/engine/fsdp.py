@@ -17,7 +17,8 @@ again in backward (True), or to an intra-node secondary shard (an int, hpZ).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -31,6 +32,55 @@ from zeropp_strategy.config import ZeroConfig
 from zeropp_strategy.engine.wrap import apply_activation_checkpointing, select_blocks
 
 log = logging.getLogger(__name__)
+
+
+class ShardedRoot(nn.Module):
+    """The module FSDP2 treats as root: a thin owner of the LightningModule.
+
+    [Note: why a separate root]
+    The strategy must run ``training_step`` through the FSDP root's ``__call__`` so the
+    root hooks fire (lazy init, backward finalization). If the LightningModule itself
+    were the root, the usual ``self(x)`` inside ``training_step`` would call the root
+    again, nested; FSDP2's inner post-forward sets the group IDLE and the outer one then
+    reshards the root even with ``reshard_after_forward=False``, so every step
+    re-gathered the root's parameters (embeddings, head) in backward. With this owner as
+    the root, ``self(x)`` is a plain call and the root group is gathered once per step.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+        self._inner_forward: Callable | None = None  # set by routed_forward()
+
+    def forward(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+        if self._inner_forward is not None:
+            return self._inner_forward(*args, **kwargs)
+        return self.module(*args, **kwargs)
+
+    @contextmanager
+    def routed_forward(self) -> Iterator[None]:
+        """While active, ``module(x)`` runs as ``self(x)``: FSDP2's root hooks wrap each
+        call of the LightningModule's own forward.
+
+        For manual optimization: there ``training_step`` itself calls ``manual_backward``
+        and steps the optimizers, so it cannot run inside the root's forward (FSDP2
+        registers its backward hooks on the root's outputs when that forward returns).
+        """
+        module = self.module
+        had_attr = "forward" in module.__dict__
+        previous = module.__dict__.get("forward")
+        self._inner_forward = module.forward
+        # object.__setattr__: nn.Module.__setattr__ would register the root as a
+        # submodule named "forward" (a cycle) and leave the class method in charge.
+        object.__setattr__(module, "forward", self)  # module(x) -> self(x) -> FSDP root
+        try:
+            yield
+        finally:
+            if had_attr:
+                module.__dict__["forward"] = previous
+            else:
+                del module.__dict__["forward"]
+            self._inner_forward = None
 
 
 def is_sharded(module: nn.Module) -> bool:
@@ -50,6 +100,8 @@ def shard_module(
     mp_policy: MixedPrecisionPolicy,
     device: torch.device,
     reshard_after_forward: bool | int | None = None,
+    all_gather: Callable[[], object] | None = None,
+    reduce_scatter: Callable[[], object] | None = None,
 ) -> list[nn.Module]:
     """Shard ``root`` in place for stage 2/3; returns the blocks that became groups."""
     if config.stage not in (2, 3):
@@ -74,7 +126,7 @@ def shard_module(
     # The root's parameters (embeddings, head) are needed first in backward anyway;
     # FSDP2's own advice is not to reshard the root after forward.
     fully_shard(root, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy, ignored_params=ignored)
-    install_comms(root, ledger)
+    install_comms(root, ledger, all_gather=all_gather, reduce_scatter=reduce_scatter)
     materialize(root, device)
     log.info("zeropp: stage %d sharded %d blocks + root over %d ranks", config.stage, len(blocks), mesh.size())
     return blocks

