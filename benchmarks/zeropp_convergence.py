@@ -69,11 +69,14 @@ class Record(Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
         self.inter: list[int] = []
+        self.by_kind: dict[str, int] = {}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses.append(trainer.callback_metrics["train_loss"].item())
-        self.inter.append(trainer.strategy.comm_ledger.totals().inter_bytes)
-        trainer.strategy.reset_comm_stats()
+        ledger = trainer.strategy.comm_ledger
+        self.inter.append(ledger.totals().inter_bytes)
+        self.by_kind = {k.value: ledger.totals(k).inter_bytes for k in CommKind}  # last step, before reset
+        ledger.reset()
 
 
 def main() -> None:
@@ -93,8 +96,7 @@ def main() -> None:
             logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         )
         trainer.fit(GPT())
-        by_kind = {k.value: trainer.strategy.comm_ledger.totals(k).inter_bytes for k in CommKind}
-        results[name] = {"loss": rec.losses, "inter_bytes_per_step": rec.inter[1:], "last_step_by_kind": by_kind}
+        results[name] = {"loss": rec.losses, "inter_bytes_per_step": rec.inter[1:], "last_step_by_kind": rec.by_kind}
     if int(os.environ.get("RANK", "0")):
         return
     base = results["stage3"]

@@ -1,0 +1,1 @@
+"""Lightning callbacks for zeropp-strategy, installed as ``zeropp_strategy.callbacks``."""

@@ -1,0 +1,1 @@
+"""Ready-made recipes for zeropp-strategy, installed as ``zeropp_strategy.recipes``."""
