@@ -412,15 +412,18 @@ class ZeroPPStrategy(ParallelStrategy):
         from zeropp_strategy.comm.zeropp import HierarchicalQuantReduceScatter, QuantizedAllGather
 
         cfg, topo = self.config, self.topology
-        all_gather = reduce_scatter = None
+        all_gather: Any = None
+        reduce_scatter: Any = None
         if cfg.quantized_weights:
             if topo.num_nodes == 1:
                 rank_zero_info("zeropp: qwZ quantizes only cross-node gathers; on one node they stay 16/32-bit.")
 
-            def all_gather() -> QuantizedAllGather:
+            def quantized_gather() -> QuantizedAllGather:
                 return QuantizedAllGather(
                     self.comm_ledger, topo, block_elems=cfg.weight_quant_block_elems, min_elems=cfg.quantize_min_elems
                 )
+
+            all_gather = quantized_gather
 
         if cfg.quantized_gradients:
             if topo.num_nodes == 1 and not cfg.quantized_gradients_on_single_node:
@@ -429,7 +432,7 @@ class ZeroPPStrategy(ParallelStrategy):
                     "(set quantized_gradients_on_single_node=True to quantize anyway)."
                 )
 
-            def reduce_scatter() -> HierarchicalQuantReduceScatter:
+            def quantized_reduce_scatter() -> HierarchicalQuantReduceScatter:
                 return HierarchicalQuantReduceScatter(
                     self.comm_ledger,
                     topo,
@@ -440,6 +443,8 @@ class ZeroPPStrategy(ParallelStrategy):
                     min_elems=cfg.quantize_min_elems,
                     on_single_node=cfg.quantized_gradients_on_single_node,
                 )
+
+            reduce_scatter = quantized_reduce_scatter
 
         return all_gather, reduce_scatter
 

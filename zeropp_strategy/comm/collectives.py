@@ -102,7 +102,25 @@ def group_ranks(group: dist.ProcessGroup | None) -> list[int]:
 # -- FSDP2 comm objects -----------------------------------------------------------------
 
 
-class LedgerAllGather(AllGather):
+class EmptyAlloc:
+    """``Comm.allocate`` for every comm object here: a plain ``torch.empty`` buffer."""
+
+    def allocate(
+        self,
+        size: Sequence[int | torch.SymInt],
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+
+def param_gather_kind(ledger: CommLedger) -> CommKind:
+    """A parameter all-gather is booked as forward or backward by the ledger's phase."""
+    return CommKind.PARAM_ALLGATHER_BWD if ledger.current_phase is Phase.BACKWARD else CommKind.PARAM_ALLGATHER_FWD
+
+
+class LedgerAllGather(EmptyAlloc, AllGather):
     """FSDP2's parameter all-gather, booked as forward or backward by the ledger's phase.
 
     Bytes per rank: ``input_tensor`` bytes (this rank's flat shard, FSDP's padding
@@ -112,15 +130,6 @@ class LedgerAllGather(AllGather):
     def __init__(self, ledger: CommLedger) -> None:
         self.ledger = ledger
 
-    def allocate(
-        self,
-        size: Sequence[int | torch.SymInt],
-        *,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
     def __call__(
         self,
         output_tensor: torch.Tensor,
@@ -128,16 +137,11 @@ class LedgerAllGather(AllGather):
         group: dist.ProcessGroup,
         async_op: bool = False,
     ) -> dist.Work | None:
-        kind = (
-            CommKind.PARAM_ALLGATHER_BWD
-            if self.ledger.current_phase is Phase.BACKWARD
-            else CommKind.PARAM_ALLGATHER_FWD
-        )
-        self.ledger.record_all_gather(kind, tensor_bytes(input_tensor), group_ranks(group))
+        self.ledger.record_all_gather(param_gather_kind(self.ledger), tensor_bytes(input_tensor), group_ranks(group))
         return _all_gather_flat(output_tensor, input_tensor, group, async_op)
 
 
-class LedgerReduceScatter(ReduceScatter):
+class LedgerReduceScatter(EmptyAlloc, ReduceScatter):
     """FSDP2's gradient reduce-scatter, booked as ``GRAD_REDUCE``; ``op`` passes through.
 
     Bytes per rank: ``output_tensor`` bytes (one chunk of the flat gradient, padding
@@ -146,15 +150,6 @@ class LedgerReduceScatter(ReduceScatter):
 
     def __init__(self, ledger: CommLedger) -> None:
         self.ledger = ledger
-
-    def allocate(
-        self,
-        size: Sequence[int | torch.SymInt],
-        *,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(
         self,

@@ -30,20 +30,20 @@ The result equals the exact reduction within the bound of two quantizations
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import torch.distributed as dist
 
 from zeropp_strategy.comm.collectives import (
     AllGather,
+    EmptyAlloc,
     ReduceScatter,
     _all_gather_flat,
     _reduce_scatter_flat,
     group_ranks,
+    param_gather_kind,
     tensor_bytes,
 )
-from zeropp_strategy.comm.ledger import CommKind, CommLedger, Phase
+from zeropp_strategy.comm.ledger import CommKind, CommLedger
 from zeropp_strategy.kernels import (
     dequant_reduce_quantize,
     dequantize,
@@ -64,7 +64,7 @@ def _unpack(payload: torch.Tensor, code_bytes: int, code_dtype: torch.dtype) -> 
     return payload[:code_bytes].view(code_dtype), payload[code_bytes:].view(torch.float32)
 
 
-class QuantizedAllGather(AllGather):
+class QuantizedAllGather(EmptyAlloc, AllGather):
     """qwZ: FSDP2 parameter all-gather in block int8 (see [Note: qwZ])."""
 
     def __init__(self, ledger: CommLedger, topology: Topology, *, block_elems: int, min_elems: int) -> None:
@@ -73,14 +73,11 @@ class QuantizedAllGather(AllGather):
         self.block_elems = block_elems
         self.min_elems = min_elems
 
-    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
     def __call__(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
     ) -> dist.Work | None:
         ranks = group_ranks(group)
-        kind = CommKind.PARAM_ALLGATHER_BWD if self.ledger.current_phase is Phase.BACKWARD else CommKind.PARAM_ALLGATHER_FWD
+        kind = param_gather_kind(self.ledger)
         spans_nodes = len({self.topology.node_of(r) for r in ranks}) > 1
         n = input_tensor.numel()
         if not spans_nodes or n < self.min_elems or not input_tensor.is_floating_point():
@@ -102,7 +99,7 @@ class QuantizedAllGather(AllGather):
         return None
 
 
-class HierarchicalQuantReduceScatter(ReduceScatter):
+class HierarchicalQuantReduceScatter(EmptyAlloc, ReduceScatter):
     """qgZ: two-hop quantized gradient reduce-scatter (see [Note: qgZ])."""
 
     def __init__(
@@ -125,9 +122,6 @@ class HierarchicalQuantReduceScatter(ReduceScatter):
         self.block_elems = block_elems
         self.min_elems = min_elems
         self.on_single_node = on_single_node
-
-    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def _plain(self, output_tensor, input_tensor, group, op, async_op):  # noqa: ANN001
         self.ledger.record_reduce_scatter(CommKind.GRAD_REDUCE, tensor_bytes(output_tensor), group_ranks(group))
