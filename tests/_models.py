@@ -208,3 +208,61 @@ class LoraLlama(LightningModule):
     def train_dataloader(self):
         g = torch.Generator().manual_seed(5)
         return DataLoader(TensorDataset(torch.randint(0, 61, (64, 12), generator=g)), batch_size=4)
+
+
+class LoraBlock(nn.Module):
+    """A frozen MLP block with trainable low-rank adapters (LoRA by hand: no peft, so the
+    reference can be rebuilt exactly). Rows 64 and 32 divide by 2 and 4 shards."""
+
+    def __init__(self, width: int = 32, rank: int = 4) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+        self.lora_a = nn.Linear(width, rank, bias=False)
+        self.lora_b = nn.Linear(rank, 2 * width, bias=False)
+        nn.init.normal_(self.lora_b.weight, std=0.02)  # nonzero: the adapters matter from step 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        return x + self.down(torch.nn.functional.gelu(self.up(h) + self.lora_b(self.lora_a(h))))
+
+
+class FrozenBaseModule(LightningModule):
+    """Frozen base weights (embedding, blocks' up/down/norm) + trainable adapters and head:
+    the LoRA / RLHF shape that ``quantize_frozen_weights`` is for."""
+
+    def __init__(self, meta_init: bool = False, lr: float = 1e-2) -> None:
+        super().__init__()
+        self.meta_init, self.lr = meta_init, lr
+        self.net: nn.Module | None = None
+
+    def configure_model(self) -> None:
+        if self.net is not None:
+            return
+        torch.manual_seed(7)
+        with torch.device("meta") if self.meta_init else torch.device("cpu"):
+            self.net = nn.ModuleDict(
+                {"embed": nn.Embedding(16, 32), "blocks": nn.ModuleList(LoraBlock() for _ in range(2)),
+                 "head": nn.Linear(32, 6)}  # 6 rows: even shards on 2 ranks
+            )
+        for name, p in self.net.named_parameters():
+            p.requires_grad_("lora_" in name or name.startswith("head"))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.net["embed"](idx)
+        for b in self.net["blocks"]:
+            x = b(x)
+        return self.net["head"](x.mean(dim=1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x), y)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.lr)
+
+    def train_dataloader(self):
+        return DataLoader(dataset(vocab=16), batch_size=4, shuffle=False)

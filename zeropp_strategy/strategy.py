@@ -123,9 +123,7 @@ def _resolve_config(config: ZeroConfig | Mapping[str, Any] | str | Path | None, 
 
 
 #: Fields that validate today but whose feature lands in a later release.
-_PLANNED = {
-    "quantize_frozen_weights": ("int8 storage of frozen weights", False),
-}
+_PLANNED: dict[str, tuple[str, Any]] = {}
 
 
 def _warn_unimplemented(config: ZeroConfig) -> None:

@@ -3,10 +3,12 @@
 Applied in this fixed order (torchtitan's rule: each step assumes the previous ones):
 1. choose blocks (``engine.wrap``);
 2. activation checkpointing on the blocks, if asked (must precede ``fully_shard``);
-3. ``fully_shard`` each block, bottom-up, then the root;
-4. install our comm objects on every FSDP group, so that the CommLedger sees every
+3. frozen weights to int8 storage, if asked (``quantize_frozen_weights``: FSDP2 must
+   shard the int8 form, see [Note: frozen int8 storage] in engine/frozen.py);
+4. ``fully_shard`` each block, bottom-up, then the root;
+5. install our comm objects on every FSDP group, so that the CommLedger sees every
    byte and ZeRO++ can replace the collectives;
-5. materialize meta-device parameters, now that they are sharded (each rank allocates
+6. materialize meta-device parameters, now that they are sharded (each rank allocates
    and initializes only its shard).
 
 ``reshard_after_forward``: stage 2 keeps gathered parameters from forward to backward
@@ -29,6 +31,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from zeropp_strategy.comm.collectives import LedgerAllGather, LedgerReduceScatter
 from zeropp_strategy.comm.ledger import CommLedger
 from zeropp_strategy.config import ZeroConfig
+from zeropp_strategy.engine.frozen import int8_weights, quantize_frozen
 from zeropp_strategy.engine.wrap import apply_activation_checkpointing, select_blocks
 
 log = logging.getLogger(__name__)
@@ -119,9 +122,27 @@ def shard_module(
     # FSDP2 cannot shard 0-dim parameters; they stay replicated and the strategy
     # all-reduces their gradients (see replicated_params).
     ignored = set(replicated_params(root))
+    if config.quantize_frozen_weights:
+        quantized, dense = quantize_frozen(
+            root, shard_world_size=mesh.size(), block_elems=config.weight_quant_block_elems,
+            min_elems=config.quantize_min_elems,
+        )
+        log.info("zeropp: %d frozen weights stored as int8 shards", len(quantized))
+        if dense:
+            log.info("zeropp: frozen weights kept dense (FSDP2 cannot pad int8 shards): %s", "; ".join(dense))
+    hpz_off: list[str] = []
     for block in blocks:
-        fully_shard(
-            block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, ignored_params=ignored
+        block_raf = reshard_after_forward
+        if not isinstance(block_raf, bool) and int8_weights(block.parameters()):
+            # FSDP2 keeps no secondary shard of extension tensors: see [Note: frozen int8 storage].
+            block_raf = True
+            hpz_off.append(type(block).__name__)
+        fully_shard(block, mesh=mesh, reshard_after_forward=block_raf, mp_policy=mp_policy, ignored_params=ignored)
+    if hpz_off:
+        log.warning(
+            "zeropp: hpZ is off for %d blocks holding int8-stored frozen weights (%s): FSDP2 keeps no "
+            "secondary shard of them, so their backward gather sends int8 codes across nodes again. "
+            "Set quantize_frozen_weights=False to keep hpZ for them.", len(hpz_off), hpz_off[0],
         )
     # The root's parameters (embeddings, head) are needed first in backward anyway;
     # FSDP2's own advice is not to reshard the root after forward.

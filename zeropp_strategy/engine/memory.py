@@ -33,6 +33,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from zeropp_strategy.engine.frozen import Int8Weight
+
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
@@ -48,6 +50,8 @@ class _StorageCounter:
         t = _local(t)
         if t.device.type == "meta":
             return 0
+        if isinstance(t, Int8Weight):  # int8 frozen storage: codes + scales
+            return self.add(t.codes) + self.add(t.scales)
         storage = t.untyped_storage()
         key = (str(t.device), storage.data_ptr())
         if key in self._seen or storage.nbytes() == 0:
@@ -146,7 +150,14 @@ def memory_stats(module: nn.Module, optimizers: list[Optimizer], *, stage: int, 
     if stage == 1:
         pred = (a * p_all, g * p_tr, k * p_tr / n)
     elif stage in (2, 3):
-        pred = (a * p_all / n, g * p_tr / n, k * p_tr / n)
+        # Frozen weights stored as int8 (quantize_frozen_weights) hold codes + scales
+        # instead of a bytes per element: R rows x (C + 4 ceil(C / B)) bytes, over N ranks.
+        int8 = [(p, _local(p)) for p in params if isinstance(_local(p), Int8Weight)]
+        int8_elems = sum(p.numel() for p, _ in int8)
+        int8_bytes = sum(
+            p.shape[0] * (q.codes.shape[1] + 4 * q.scales.shape[1]) for p, q in int8
+        )
+        pred = ((a * (p_all - int8_elems) + int8_bytes) / n, g * p_tr / n, k * p_tr / n)
     else:  # 0: plain data parallel, for comparison
         pred = (a * p_all, g * p_tr, k * p_tr)
     cuda = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0

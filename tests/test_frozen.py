@@ -1,0 +1,273 @@
+"""``quantize_frozen_weights``: frozen shards stored as int8 (engine/frozen.py).
+
+Unit checks of ``Int8Weight`` in one process, then one 2-rank spawn that trains a
+frozen-base model with hand-made LoRA adapters at stage 3 and compares it with DDP on
+the same model whose frozen weights were quantized and dequantized up front (the
+weights stage 3 computes with): the adapters must train to the same values.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests._dist import run_ranks
+from zeropp_strategy import kernels
+from zeropp_strategy.engine.frozen import (
+    Int8Weight,
+    dequantize_rows,
+    frozen_int8_candidates,
+    quantize_frozen,
+    quantize_rows,
+)
+
+B = 32  # block size of the distributed scenarios (rows of 32 and 64 elements)
+
+
+# -- one process ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(6, 100), (5, 3, 7), (64, 32), (1, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rows_quantize_like_padded_flat_blocks(shape, dtype):
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(shape, generator=g) * 3).to(dtype)
+    codes, scales = quantize_rows(x, B)
+    rows, cols = shape[0], x.numel() // shape[0]
+    nb = -(-cols // B)
+    assert codes.shape == (rows, cols) and codes.dtype == torch.int8
+    assert scales.shape == (rows, nb) and scales.dtype == torch.float32
+    # Each row quantizes exactly as the flat kernel does on that row zero-padded.
+    for r in range(rows):
+        padded = torch.nn.functional.pad(x.reshape(rows, cols)[r].float(), (0, nb * B - cols))
+        c_ref, s_ref = kernels.quantize(padded, B, 8)
+        assert torch.equal(codes[r], c_ref[:cols]) and torch.equal(scales[r], s_ref)
+    # Error bound: half a step of the row-block, plus the output dtype's rounding.
+    back = dequantize_rows(codes, scales, B, torch.float32)
+    step = scales.repeat_interleave(B, dim=1)[:, :cols]
+    eps = torch.finfo(dtype).eps * x.float().abs().reshape(rows, cols)
+    assert ((back - x.float().reshape(rows, cols)).abs() <= step / 2 + eps + 1e-7).all()
+
+
+def test_int8_weight_halves_16bit_storage():
+    x = torch.randn(512, 1024, dtype=torch.bfloat16)
+    w = Int8Weight.from_dense(x, 256)
+    ratio = w.storage_bytes / (x.numel() * x.element_size())
+    assert 0.50 <= ratio <= 0.51, ratio  # 1 byte + 4/256 per element vs 2
+    assert Int8Weight.from_dense(x.float(), 256).storage_bytes / (x.numel() * 4) <= 0.26
+
+
+def test_int8_weight_behaves_like_its_dense_values():
+    x = torch.randn(8, 40)
+    w = Int8Weight.from_dense(x, B)
+    dense = w.dequantize()
+    assert w.shape == x.shape and w.dtype == x.dtype and not w.requires_grad
+    # Row ops stay int8 and share storage; anything else sees the dequantized values.
+    parts = torch.chunk(w, 4, dim=0)
+    assert all(isinstance(p, Int8Weight) for p in parts)
+    assert parts[1].codes.data_ptr() == w.codes[2:].data_ptr()
+    assert torch.equal(torch.cat([p.dequantize() for p in parts]), dense)
+    assert torch.equal(w.narrow(0, 3, 2).dequantize(), dense[3:5])
+    flat = w.view(-1)
+    assert isinstance(flat, Int8Weight) and flat.shape == (320,) and flat.codes.data_ptr() == w.codes.data_ptr()
+    assert torch.equal(w @ torch.eye(40), dense)  # generic path
+    assert torch.equal(w.to(torch.float64), dense.double()) and type(w.to(torch.float64)) is torch.Tensor
+    assert torch.equal(w.clone(), dense)
+    with pytest.raises(NotImplementedError, match="dim 0"):
+        torch.chunk(w, 2, dim=1)
+
+
+def test_writes_requantize_and_reloading_keeps_codes():
+    x = torch.randn(8, 40)
+    w = Int8Weight.from_dense(x, B)
+    codes, scales = w.codes.clone(), w.scales.clone()
+    # Loading the dequantized weights back (what a checkpoint holds) gives the same codes,
+    # scales within 1 ulp (absmax = 127 * scale is recomputed in fp32).
+    w.copy_(w.dequantize())
+    assert torch.equal(w.codes, codes)
+    assert ((w.scales - scales).abs() <= torch.finfo(torch.float32).eps * scales.abs()).all()
+    # In-place writes (initialization after meta-device init, load_state_dict) requantize.
+    y = torch.randn(8, 40)
+    w.copy_(y)
+    assert torch.equal(w.codes, quantize_rows(y, B)[0])
+    w.fill_(0.5)
+    assert torch.allclose(w.dequantize(), torch.full((8, 40), 0.5))
+    w.zero_()
+    assert not w.codes.any() and not w.scales.any()
+    # An Int8Weight copies into a dense tensor as its values.
+    out = torch.empty(8, 40)
+    out.copy_(Int8Weight.from_dense(y, B))
+    assert torch.equal(out, dequantize_rows(*quantize_rows(y, B), B, torch.float32))
+
+
+def test_candidates_skip_trainable_small_and_uneven():
+    from torch import nn
+
+    m = nn.ModuleDict({"a": nn.Linear(8, 6), "b": nn.Linear(8, 5), "c": nn.Linear(8, 4), "d": nn.Linear(2, 2)})
+    m.requires_grad_(False)
+    m["c"].requires_grad_(True)
+    chosen, dense = frozen_int8_candidates(m, shard_world_size=2, min_elems=10)
+    assert [full for _, _, full, _ in chosen] == ["a.weight"]  # d is below min_elems; biases are 1-D
+    assert dense == ["b.weight (5 rows do not divide by 2 shards)"]
+    names, _ = quantize_frozen(m, shard_world_size=2, block_elems=B, min_elems=10)
+    assert names == ["a.weight"] and isinstance(m["a"].weight.data, Int8Weight)
+    # state_dict shows dense values: checkpoints stay portable.
+    sd = m.state_dict()
+    assert type(sd["a.weight"]) is torch.Tensor and torch.equal(sd["a.weight"], m["a"].weight.data.dequantize())
+
+
+def test_meta_parameters_stay_meta_until_initialized():
+    from torch import nn
+
+    with torch.device("meta"):
+        m = nn.Linear(32, 64).requires_grad_(False)
+    quantize_frozen(m, shard_world_size=1, block_elems=B, min_elems=0)
+    w = m.weight.data
+    assert isinstance(w, Int8Weight) and w.codes.is_meta
+    m.to_empty(device="cpu")
+    m.reset_parameters()
+    w = m.weight.data
+    assert isinstance(w, Int8Weight) and not w.codes.is_meta and w.scales.abs().sum() > 0
+
+
+# -- 2 ranks ---------------------------------------------------------------------------------
+
+
+def _full_state(trainer, module):
+    from zeropp_strategy.engine.state import to_full_cpu
+
+    sd = module.state_dict()
+    if hasattr(trainer.strategy, "config") and trainer.strategy.stage in (2, 3):
+        return to_full_cpu(sd, keep=True)
+    return {k: v.detach().clone() for k, v in sd.items()}
+
+
+def _worker(rank, world, tmp):
+    import os
+
+    from lightning.pytorch import Trainer, seed_everything
+
+    from tests._models import FrozenBaseModule, trainer_kwargs
+    from zeropp_strategy import ZeroPPStrategy
+
+    class Reference(FrozenBaseModule):
+        """The same model with its frozen >= 2-D weights quantized and dequantized."""
+
+        def configure_model(self) -> None:
+            if self.net is not None:
+                return
+            super().configure_model()
+            with torch.no_grad():
+                for p in self.net.parameters():
+                    if not p.requires_grad and p.dim() >= 2:
+                        p.copy_(dequantize_rows(*quantize_rows(p, B), B, p.dtype).view_as(p))
+
+    def strategy(**kw):
+        return ZeroPPStrategy(stage=3, quantize_frozen_weights=True, weight_quant_block_elems=B,
+                              quantize_min_elems=0, **kw)
+
+    out = {}
+    seed_everything(0)
+    ref_module = Reference()
+    t = Trainer(strategy="ddp", **trainer_kwargs(world, max_steps=8))
+    t.fit(ref_module)
+    ref = _full_state(t, ref_module)
+
+    seed_everything(0)
+    m = FrozenBaseModule()
+    t = Trainer(strategy=strategy(), **trainer_kwargs(world, max_steps=8))
+    t.fit(m)
+    got = _full_state(t, m)
+    locals_ = {n: p.to_local() for n, p in m.named_parameters()}
+    int8 = {n: q for n, q in locals_.items() if isinstance(q, Int8Weight)}
+    stats = t.strategy.memory_stats()
+    out["parity"] = {
+        "keys": sorted(got) == sorted(ref),
+        "max_diff": max((got[k].float() - ref[k].float()).abs().max().item() for k in ref),
+        "int8": sorted(int8),
+        "storage_ok": all(
+            q.storage_bytes == (p.shape[0] // world) * (p[0].numel() + 4 * -(-p[0].numel() // B))
+            for n, q in int8.items() for p in [dict(m.named_parameters())[n]]
+        ),
+        "memory_formula": (stats.param_bytes, stats.predicted_param_bytes),
+    }
+
+    # Sharded checkpoint: resuming restores the same codes (scales within 1 ulp).
+    path = os.path.join(tmp, "sharded.ckpt")
+    t.save_checkpoint(path)
+    seed_everything(0)
+    m2 = FrozenBaseModule()
+    t2 = Trainer(strategy=strategy(), **trainer_kwargs(world, max_steps=8))
+    t2.fit(m2, ckpt_path=path)
+    codes_equal, scale_ulps, dense_equal = True, 0.0, True
+    for (n, p), p2 in zip(m.named_parameters(), m2.parameters()):
+        a, b = p.to_local(), p2.to_local()
+        if isinstance(a, Int8Weight):
+            codes_equal &= isinstance(b, Int8Weight) and torch.equal(a.codes, b.codes)
+            ulp = torch.finfo(torch.float32).eps * a.scales.abs().clamp_min(1e-30)
+            scale_ulps = max(scale_ulps, ((a.scales - b.scales).abs() / ulp).max().item())
+        else:
+            dense_equal &= torch.equal(a, b)
+    out["resume"] = {"codes_equal": codes_equal, "scale_ulps": scale_ulps, "dense_equal": dense_equal}
+
+    # Full checkpoint: plain dense tensors, as DDP would save them.
+    full_path = os.path.join(tmp, "full.ckpt")
+    t3 = Trainer(strategy=strategy(state_dict_type="full"), **trainer_kwargs(world, max_steps=8))
+    seed_everything(0)
+    m3 = FrozenBaseModule()
+    t3.fit(m3)
+    t3.save_checkpoint(full_path)
+    t3.strategy.barrier()
+    if rank == 0:
+        saved = torch.load(full_path, weights_only=True)["state_dict"]
+        out["full"] = {
+            "plain": all(type(v) is torch.Tensor for v in saved.values()),
+            "max_diff": max((saved[k].float() - ref[k].float()).abs().max().item() for k in ref),
+        }
+
+    # Meta-device init: frozen weights are quantized when their shards are initialized.
+    seed_everything(0)
+    m4 = FrozenBaseModule(meta_init=True)
+    t4 = Trainer(strategy=strategy(), **trainer_kwargs(world, max_steps=4))
+    t4.fit(m4)
+    out["meta"] = {
+        "int8": sum(isinstance(p.to_local(), Int8Weight) for p in m4.parameters()),
+        "finite": bool(torch.isfinite(t4.callback_metrics["train_loss"])),
+        "no_meta": not any(p.to_local().is_meta for p in m4.parameters()),
+    }
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return run_ranks(_worker, 2, (str(tmp_path_factory.mktemp("frozen")),), timeout_s=300)
+
+
+def test_stage3_with_int8_frozen_trains_like_ddp_on_the_dequantized_model(runs):
+    for r in runs:
+        p = r["parity"]
+        assert p["keys"]
+        assert p["max_diff"] <= 1e-6, p["max_diff"]  # adapters, head and the frozen weights
+        assert p["int8"] == ["net.blocks.0.down.weight", "net.blocks.0.up.weight", "net.blocks.1.down.weight",
+                             "net.blocks.1.up.weight", "net.embed.weight"]
+
+
+def test_int8_frozen_storage_and_memory_formula(runs):
+    for r in runs:
+        assert r["parity"]["storage_ok"]
+        held, predicted = r["parity"]["memory_formula"]
+        assert held == predicted, (held, predicted)
+
+
+def test_checkpoints_restore_the_same_codes(runs):
+    for r in runs:
+        res = r["resume"]
+        assert res["codes_equal"] and res["dense_equal"]
+        assert res["scale_ulps"] <= 1.0, res
+    full = runs[0]["full"]
+    assert full["plain"] and full["max_diff"] <= 1e-6, full
+
+
+def test_meta_init_quantizes_after_materializing(runs):
+    for r in runs:
+        assert r["meta"] == {"int8": 5, "finite": True, "no_meta": True}

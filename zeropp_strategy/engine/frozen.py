@@ -1,0 +1,370 @@
+"""Frozen parameters stored as int8 (ZeRO++ ``quantize_frozen_weights``, DeepSpeed's
+``zero_quantized_nontrainable_weights``): for LoRA and RLHF, where most weights never
+change, each rank keeps its shard of a frozen weight as int8 codes plus one fp32 scale
+per block, about half the bytes of a 16-bit shard and a quarter of an fp32 one.
+
+[Note: frozen int8 storage]
+A frozen weight W (R rows, C = numel / R elements per row) becomes an ``Int8Weight``:
+codes int8 (R, C) and scales fp32 (R, ceil(C / B)), blocks of B consecutive elements
+*within a row* (the last block of a row is shorter, as if zero-padded). Blocks never
+straddle rows, so FSDP2's dim-0 sharding splits codes and scales at the same row and
+each rank's shard is itself a valid ``Int8Weight``: the quantization is done once,
+before ``fully_shard``, and never again.
+
+FSDP2 sees the weight through its public tensor-subclass extension
+(``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``):
+- pre-all-gather hands FSDP2 the codes and the scales as they are (no requantizing);
+  FSDP2 gathers both in one uint8 buffer, so qwZ's comm object sends them plainly;
+- post-all-gather dequantizes the gathered rows into a dense tensor in the compute
+  dtype; FSDP2 frees it after forward (and after backward) like any unsharded param.
+Bytes per rank per gather: C + 4 ceil(C / B) per row, about 0.51 of bf16 at B = 256.
+
+What FSDP2 does not support for extension tensors, and what we do about it:
+- uneven dim-0 shards (FSDP2 then needs the all-gather inputs padded to the shard's
+  padded shape, which codes and scales of different widths cannot be): a weight whose
+  rows do not divide by the shard count stays dense (``frozen_int8_candidates``);
+- hpZ's secondary shard (``reshard_after_forward=<int>`` raises NotImplementedError):
+  blocks holding an ``Int8Weight`` reshard fully after forward and gather int8 codes
+  again in backward (``engine.fsdp.shard_module``), which the strategy logs once.
+
+Every other operation on an ``Int8Weight`` (``state_dict`` reads, ``full_tensor()``,
+``copy_`` from a loaded checkpoint, in-place initialization after meta-device init) goes
+through ``__torch_dispatch__``: reads see the dequantized values, writes requantize. So
+a checkpoint holds the dense weights the model actually computes with, and loading one
+requantizes them to the same codes (scales within 1 ulp; tests/test_frozen.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from zeropp_strategy import kernels
+
+aten = torch.ops.aten
+
+
+def _row_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
+    rows = shape[0] if len(shape) else 1
+    return rows, (math.prod(shape) // rows if rows else math.prod(shape[1:]))
+
+
+def quantize_rows(x: torch.Tensor, block_elems: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (R, ...) float -> codes int8 (R, C), scales fp32 (R, ceil(C/B)); see [Note: frozen
+    int8 storage]. Uses the block kernels (Triton on CUDA) over rows zero-padded to a
+    block multiple, so the result equals ``kernels.quantize`` of each padded row."""
+    rows, cols = _row_shape(x.shape)
+    nb = max(1, -(-cols // block_elems))
+    x2 = x.reshape(rows, cols)
+    if cols != nb * block_elems:
+        x2 = nn.functional.pad(x2, (0, nb * block_elems - cols))
+    if rows == 0:
+        return torch.zeros(0, cols, dtype=torch.int8, device=x.device), torch.zeros(0, nb, device=x.device)
+    codes, scales = kernels.quantize(x2, block_elems, 8)
+    return codes.view(rows, nb * block_elems)[:, :cols].contiguous(), scales.view(rows, nb)
+
+
+def dequantize_rows(
+    codes: torch.Tensor, scales: torch.Tensor, block_elems: int, dtype: torch.dtype, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Inverse of ``quantize_rows``: (R, C) in ``dtype`` (written into ``out`` if given)."""
+    rows, cols = codes.shape
+    nb = scales.shape[1]
+    if rows == 0:
+        dense = torch.empty(0, cols, dtype=dtype, device=codes.device)
+    else:
+        padded = codes if cols == nb * block_elems else nn.functional.pad(codes, (0, nb * block_elems - cols))
+        dense = kernels.dequantize(padded.reshape(-1), scales.reshape(-1), block_elems, rows * nb * block_elems, 8, dtype)
+        dense = dense.view(rows, nb * block_elems)[:, :cols]
+    if out is None:
+        return dense.contiguous()
+    out.view(rows, cols).copy_(dense)
+    return out
+
+
+class Int8Weight(torch.Tensor):
+    """A frozen weight held as row-blocked int8 codes + fp32 scales ([Note: frozen int8
+    storage]). Looks like a dense tensor of its original shape and dtype to every caller;
+    FSDP2 gathers its codes and scales and dequantizes after the gather."""
+
+    codes: torch.Tensor  # int8 (R, C)
+    scales: torch.Tensor  # fp32 (R, ceil(C / block_elems))
+    block_elems: int
+
+    @staticmethod
+    def __new__(cls, codes: torch.Tensor, scales: torch.Tensor, block_elems: int, shape: torch.Size, dtype: torch.dtype):
+        return torch.Tensor._make_wrapper_subclass(
+            cls, shape, dtype=dtype, device=codes.device, requires_grad=False
+        )
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, block_elems: int, shape: torch.Size, dtype: torch.dtype):
+        self.codes, self.scales, self.block_elems = codes, scales, block_elems
+
+    @classmethod
+    def from_dense(cls, x: torch.Tensor, block_elems: int) -> Int8Weight:
+        if x.is_meta:  # quantized when initialized (see quantize_frozen)
+            rows, cols = _row_shape(x.shape)
+            codes = torch.empty(rows, cols, dtype=torch.int8, device="meta")
+            scales = torch.empty(rows, max(1, -(-cols // block_elems)), device="meta")
+        else:
+            codes, scales = quantize_rows(x.detach(), block_elems)
+        return cls(codes, scales, block_elems, x.shape, x.dtype)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return dequantize_rows(self.codes, self.scales, self.block_elems, dtype or self.dtype).view(self.shape)
+
+    @property
+    def storage_bytes(self) -> int:
+        return self.codes.numel() + self.scales.numel() * 4
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"Int8Weight(shape={tuple(self.shape)}, dtype={self.dtype}, block_elems={self.block_elems})"
+
+    # torch.compile / FSDP2 tracing support
+    def __tensor_flatten__(self):
+        return ["codes", "scales"], (self.block_elems, self.shape, self.dtype)
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):  # noqa: ANN001, ANN205
+        block_elems, _, dtype = meta
+        return Int8Weight(inner["codes"], inner["scales"], block_elems, outer_size, dtype)
+
+    def _like(self, codes: torch.Tensor, scales: torch.Tensor, shape: tuple[int, ...] | None = None) -> Int8Weight:
+        if shape is None:
+            shape = (codes.shape[0], *self.shape[1:])
+        return Int8Weight(codes, scales, self.block_elems, torch.Size(shape), self.dtype)
+
+    # -- FSDP2 all-gather extension --------------------------------------------------------
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):  # noqa: ANN001, ANN201
+        # Already quantized: gather codes and scales as stored ([Note: frozen int8 storage]).
+        return (self.codes, self.scales), None
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):  # noqa: ANN001, ANN201
+        codes, scales = all_gather_outputs  # (W*R, C) int8, (W*R, nb) fp32
+        if out is not None:
+            # Refill the unsharded param FSDP2 keeps across gathers. Autograd saved it in
+            # forward; this write restores the same values, so keep its version (as FSDP2
+            # does for its own copy-out).
+            with torch.autograd._unsafe_preserve_version_counter(out):
+                dequantize_rows(codes, scales, self.block_elems, out.dtype, out=out)
+            return None
+        dense = dequantize_rows(codes, scales, self.block_elems, param_dtype)
+        # FSDP2 frees (and later refills) what the second element names.
+        return dense, (dense,)
+
+    # -- dispatch ---------------------------------------------------------------------------
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
+        kwargs = kwargs or {}
+        handler = _HANDLERS.get(func)
+        if handler is not None:
+            return handler(func, *args, **kwargs)
+        # Generic path: anything else sees the dequantized values; an in-place op on an
+        # Int8Weight writes back by requantizing (initialization, load_state_dict).
+        self = args[0] if args else None
+        mutates = isinstance(self, Int8Weight) and func._schema.arguments and func._schema.arguments[0].is_write
+        dense_args = tree_map(lambda t: t.dequantize() if isinstance(t, Int8Weight) else t, args)
+        dense_kwargs = tree_map(lambda t: t.dequantize() if isinstance(t, Int8Weight) else t, kwargs)
+        result = func(*dense_args, **dense_kwargs)
+        if mutates:
+            self._assign(dense_args[0])
+            return self
+        return result
+
+    def _assign(self, dense: torch.Tensor) -> None:
+        codes, scales = quantize_rows(dense.reshape(self.codes.shape[0], -1), self.block_elems)
+        self.codes.copy_(codes)
+        self.scales.copy_(scales)
+
+
+def _dim0(dim: int, ndim: int, op: str) -> None:
+    if dim % max(ndim, 1) != 0:
+        raise NotImplementedError(f"Int8Weight supports {op} on dim 0 only (rows), got dim={dim}")
+
+
+def _split(func, self: Int8Weight, split_size, dim: int = 0):  # noqa: ANN001, ANN202
+    _dim0(dim, self.dim(), "split")
+    codes = func(self.codes, split_size, 0)
+    scales = func(self.scales, split_size, 0)
+    return [self._like(c, s) for c, s in zip(codes, scales)]
+
+
+def _slice(func, self: Int8Weight, dim: int = 0, start=None, end=None, step: int = 1):  # noqa: ANN001, ANN202
+    _dim0(dim, self.dim(), "slice")
+    return self._like(func(self.codes, 0, start, end, step), func(self.scales, 0, start, end, step))
+
+
+def _view(func, self: Int8Weight, size, *rest):  # noqa: ANN001, ANN202
+    # A reshape keeps the row structure (codes stay (R, C)); FSDP2 only flattens a shard
+    # to keep a reference to it, and never indexes the flat view.
+    size = list(size)
+    if -1 in size:
+        known = math.prod(s for s in size if s != -1)
+        size[size.index(-1)] = self.numel() // known if known else 0
+    if math.prod(size) != self.numel():
+        raise RuntimeError(f"Int8Weight: cannot view shape {tuple(self.shape)} as {tuple(size)}")
+    return self._like(self.codes, self.scales, tuple(size))
+
+
+def _alias(func, self: Int8Weight, *rest, **kwargs):  # noqa: ANN001, ANN202
+    return self._like(self.codes, self.scales, tuple(self.shape))
+
+
+def _new_zeros(func, self: Int8Weight, size, **kwargs):  # noqa: ANN001, ANN202
+    dtype = kwargs.get("dtype")
+    device = kwargs.get("device") or self.device
+    if dtype is not None and dtype != self.dtype:
+        return torch.zeros(size, dtype=dtype, device=device)
+    rows, cols = _row_shape(tuple(size))
+    if cols != self.codes.shape[1]:
+        return torch.zeros(size, dtype=self.dtype, device=device)
+    codes = torch.zeros(rows, cols, dtype=torch.int8, device=device)
+    scales = torch.zeros(rows, self.scales.shape[1], dtype=torch.float32, device=device)
+    return self._like(codes, scales, tuple(size))
+
+
+def _empty_like(func, self: Int8Weight, **kwargs):  # noqa: ANN001, ANN202
+    dtype = kwargs.get("dtype")
+    device = kwargs.get("device") or self.device
+    if dtype is not None and dtype != self.dtype:
+        return torch.empty(self.shape, dtype=dtype, device=device)
+    return self._like(torch.empty_like(self.codes, device=device), torch.empty_like(self.scales, device=device))
+
+
+def _to_copy(func, self: Int8Weight, **kwargs):  # noqa: ANN001, ANN202
+    dtype = kwargs.get("dtype")
+    device = kwargs.get("device") or self.device
+    if dtype is not None and dtype != self.dtype:  # a dtype cast leaves int8 storage
+        return self.dequantize(dtype).to(device)
+    pin = bool(kwargs.get("pin_memory"))
+    codes, scales = self.codes.to(device), self.scales.to(device)
+    if pin:
+        codes, scales = codes.pin_memory(), scales.pin_memory()
+    return self._like(codes, scales, tuple(self.shape))
+
+
+def _copy_(func, self, src, non_blocking: bool = False):  # noqa: ANN001, ANN202
+    if not isinstance(self, Int8Weight):  # dense <- Int8Weight
+        return self.copy_(src.dequantize(self.dtype), non_blocking)
+    if isinstance(src, Int8Weight) and src.codes.shape == self.codes.shape and src.block_elems == self.block_elems:
+        self.codes.copy_(src.codes, non_blocking)
+        self.scales.copy_(src.scales, non_blocking)
+        return self
+    dense = src.dequantize() if isinstance(src, Int8Weight) else src
+    self._assign(dense.to(self.device).expand(self.shape))
+    return self
+
+
+def _is_pinned(func, self: Int8Weight, *rest):  # noqa: ANN001, ANN202
+    return self.codes.is_pinned()
+
+
+_HANDLERS = {
+    aten.split.Tensor: _split,
+    aten.split_with_sizes.default: _split,
+    aten.slice.Tensor: _slice,
+    aten.view.default: _view,
+    aten._unsafe_view.default: _view,
+    aten.reshape.default: _view,
+    aten.detach.default: _alias,
+    aten.alias.default: _alias,
+    aten.new_zeros.default: _new_zeros,
+    aten.empty_like.default: _empty_like,
+    aten._to_copy.default: _to_copy,
+    aten.copy_.default: _copy_,
+    aten.is_pinned.default: _is_pinned,
+}
+
+
+def frozen_int8_candidates(
+    module: nn.Module, *, shard_world_size: int, min_elems: int
+) -> tuple[list[tuple[nn.Module, str, str, nn.Parameter]], list[str]]:
+    """Frozen floating-point params that can be stored as int8, as (owner, attribute,
+    qualified name, param),
+    and the names of frozen ones that must stay dense, with why (for the log).
+
+    Eligible: requires_grad=False, floating point, at least 2-D (biases and norms are
+    tiny and precision-sensitive), >= ``min_elems`` elements, rows divisible by the shard
+    count (FSDP2 cannot pad extension tensors; see [Note: frozen int8 storage])."""
+    chosen: list[tuple[nn.Module, str, str, nn.Parameter]] = []
+    dense: list[str] = []
+    seen: set[int] = set()
+    for owner_name, owner in module.named_modules():
+        for name, p in owner.named_parameters(recurse=False):
+            if id(p) in seen or p.requires_grad or not p.is_floating_point() or isinstance(p.data, Int8Weight):
+                continue
+            seen.add(id(p))
+            full = f"{owner_name}.{name}" if owner_name else name
+            if p.dim() < 2 or p.numel() < min_elems:
+                continue
+            if p.shape[0] % shard_world_size:
+                dense.append(f"{full} ({p.shape[0]} rows do not divide by {shard_world_size} shards)")
+                continue
+            chosen.append((owner, name, full, p))
+    return chosen, dense
+
+
+@torch.no_grad()
+def quantize_frozen(
+    module: nn.Module, *, shard_world_size: int, block_elems: int, min_elems: int
+) -> tuple[list[str], list[str]]:
+    """Replace eligible frozen parameters of ``module`` with ``Int8Weight`` parameters, in
+    place and before ``fully_shard``. Returns (quantized names, names kept dense + why).
+
+    Meta-device parameters are converted too (their codes are meta tensors); they are
+    initialized, and so quantized, when the strategy materializes the sharded model."""
+    chosen, dense = frozen_int8_candidates(module, shard_world_size=shard_world_size, min_elems=min_elems)
+    names = []
+    replaced: dict[int, nn.Parameter] = {}
+    for owner, name, full, p in chosen:
+        new = replaced.get(id(p))
+        if new is None:
+            new = replaced[id(p)] = nn.Parameter(Int8Weight.from_dense(p.data, block_elems), requires_grad=False)
+        setattr(owner, name, new)
+        names.append(full)
+        if not getattr(owner, "_zeropp_dense_state_hook", False):
+            owner.register_state_dict_post_hook(_dense_state_dict_hook)
+            owner._zeropp_dense_state_hook = True
+    return names, dense
+
+
+def dense_value(value: torch.Tensor) -> torch.Tensor:
+    """``value`` with an ``Int8Weight`` (local or inside a DTensor) replaced by its
+    dequantized dense tensor of the same layout; anything else unchanged."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor) and isinstance(value._local_tensor, Int8Weight):
+        return DTensor.from_local(
+            value._local_tensor.dequantize(), value.device_mesh, value.placements,
+            run_check=False, shape=value.shape, stride=value.stride(),
+        )
+    if isinstance(value, Int8Weight):
+        return value.dequantize()
+    return value
+
+
+def _dense_state_dict_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    # Checkpoints hold the dense weights the model computes with, in the parameter's
+    # dtype: portable to any strategy and to `zeropp consolidate`. Loading one back
+    # requantizes through Int8Weight.copy_ ([Note: frozen int8 storage]).
+    for name, p in module.named_parameters(recurse=False):
+        key = prefix + name
+        if key in state_dict:
+            state_dict[key] = dense_value(state_dict[key])
+
+
+def int8_weights(params: Iterable[torch.Tensor]) -> list[Int8Weight]:
+    """The ``Int8Weight`` local tensors among ``params`` (DTensor shards unwrapped)."""
+    out = []
+    for p in params:
+        local = p.to_local() if hasattr(p, "to_local") else p
+        local = local.data if isinstance(local, nn.Parameter) else local
+        if isinstance(local, Int8Weight):
+            out.append(local)
+    return out
