@@ -232,15 +232,15 @@ class FrozenBaseModule(LightningModule):
     """Frozen base weights (embedding, blocks' up/down/norm) + trainable adapters and head:
     the LoRA / RLHF shape that ``quantize_frozen_weights`` is for."""
 
-    def __init__(self, meta_init: bool = False, lr: float = 1e-2) -> None:
+    def __init__(self, meta_init: bool = False, lr: float = 1e-2, seed: int = 7) -> None:
         super().__init__()
-        self.meta_init, self.lr = meta_init, lr
+        self.meta_init, self.lr, self.seed = meta_init, lr, seed
         self.net: nn.Module | None = None
 
     def configure_model(self) -> None:
         if self.net is not None:
             return
-        torch.manual_seed(7)
+        torch.manual_seed(self.seed)
         with torch.device("meta") if self.meta_init else torch.device("cpu"):
             self.net = nn.ModuleDict(
                 {"embed": nn.Embedding(16, 32), "blocks": nn.ModuleList(LoraBlock() for _ in range(2)),

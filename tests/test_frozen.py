@@ -224,6 +224,16 @@ def _worker(rank, world, tmp):
             "plain": all(type(v) is torch.Tensor for v in saved.values()),
             "max_diff": max((saved[k].float() - ref[k].float()).abs().max().item() for k in ref),
         }
+    # ... and loading it requantizes into the int8 shards: same codes as the run that saved.
+    seed_everything(0)
+    m5 = FrozenBaseModule(seed=8)  # a different init: nothing matches unless the load wrote it
+    t5 = Trainer(strategy=strategy(state_dict_type="full"), **trainer_kwargs(world, max_steps=8))
+    t5.fit(m5, ckpt_path=full_path)
+    out["full_resume_codes_equal"] = all(
+        torch.equal(a.to_local().codes, b.to_local().codes) if isinstance(a.to_local(), Int8Weight)
+        else torch.equal(a.to_local(), b.to_local())
+        for a, b in zip(m3.parameters(), m5.parameters())
+    )
 
     # Meta-device init: frozen weights are quantized when their shards are initialized.
     seed_everything(0)
@@ -266,6 +276,7 @@ def test_checkpoints_restore_the_same_codes(runs):
         assert res["scale_ulps"] <= 1.0, res
     full = runs[0]["full"]
     assert full["plain"] and full["max_diff"] <= 1e-6, full
+    assert all(r["full_resume_codes_equal"] for r in runs)
 
 
 def test_meta_init_quantizes_after_materializing(runs):

@@ -93,6 +93,7 @@ def load_full_model_state(module: nn.Module, state: Mapping[str, Any], *, strict
             f"{unexpected[:8]}. Fix: load a checkpoint of this model, or set "
             "LightningModule.strict_loading = False."
         )
+    loaded = {}
     for key, target in current.items():
         if key not in state:
             continue
@@ -101,6 +102,11 @@ def load_full_model_state(module: nn.Module, state: Mapping[str, Any], *, strict
             target.to_local().copy_(src.to_local())
         else:
             target.copy_(src)
+        loaded[key] = target
+    # state_dict() entries alias the parameters and buffers, except where a module returns
+    # copies (int8 frozen weights show dequantized copies): copy those back through the
+    # module, which requantizes them.
+    module.load_state_dict(loaded, strict=False)
 
 
 def _optimizer_params(optimizer: Optimizer) -> list[torch.Tensor]:
