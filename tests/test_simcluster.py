@@ -66,7 +66,7 @@ def test_refuses_without_tc(monkeypatch: pytest.MonkeyPatch) -> None:
     real_which = shutil.which
     monkeypatch.setattr(sys, "platform", "linux")
     monkeypatch.setattr(os, "geteuid", lambda: 0, raising=False)
-    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None if name == "tc" else real_which(name, *a, **k))
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **kw: None if name == "tc" else real_which(name, *a, **kw))
     with pytest.raises(SimClusterError, match=r"tc.*iproute2"):
         SimCluster(rate="200mbit")
 
@@ -79,8 +79,8 @@ def test_rates_and_tbf_parameters() -> None:
     assert simcluster.parse_rate_bit_s(None) is None
     with pytest.raises(SimClusterError, match="rate"):
         simcluster.parse_rate_bit_s("fast")
-    assert simcluster.tbf_params(200_000_000) == (250_000, "50ms")
-    assert simcluster.tbf_params(1_000_000)[0] == 32 * 1024  # the floor
+    assert simcluster.tbf_params(1_000_000_000) == (125_000, "50ms")
+    assert simcluster.tbf_params(200_000_000)[0] == 32 * 1024  # the floor
 
 
 def test_command_translation() -> None:
@@ -117,7 +117,7 @@ def test_all_reduce_crosses_the_shaped_link(can_simulate: None, tmp_path: Path) 
     with SimCluster(rate="200mbit") as cluster:
         names = set(cluster.netns)
         assert names <= _netns_names()
-        res = cluster.run(["python", str(script)], nproc_per_node=1, timeout_s=90, stream=None)
+        res = cluster.run(["python", str(script)], nproc_per_node=1, timeout_s=90, echo=False)
     assert res.returncodes == [0, 0], res.outputs
     assert res.ok and not res.timed_out
     assert "rank 0 of 2 all_reduce ok" in res.outputs[0]
@@ -160,7 +160,7 @@ def test_failing_node_stops_the_other(can_simulate: None, tmp_path: Path) -> Non
         t0 = time.monotonic()
         with pytest.raises(simcluster.SimClusterRunError, match="node 1 exited with 1") as info:
             cluster.run(["python", str(script), str(tmp_path)], nproc_per_node=1, timeout_s=90,
-                        stream=None, check=True)
+                        echo=False, check=True)
         elapsed_s = time.monotonic() - t0
         res = info.value.result
         # Stopped because node 1 failed, not because node 0 finished or the timeout hit.
