@@ -38,7 +38,18 @@ VARIANTS = {
     "hpZ": {"hpz_partition_size": 0},
     "qgZ": {"quantized_gradients": True},
     "zeropp": {"quantized_weights": True, "hpz_partition_size": 0, "quantized_gradients": True},
+    # Ablations of the quantization settings (not in the default run).
+    "qgZ_int8": {"quantized_gradients": True, "gradient_quant_bits": 8},
+    "qgZ_b64": {"quantized_gradients": True, "gradient_quant_block_elems": 64},
+    "qgZ_b32": {"quantized_gradients": True, "gradient_quant_block_elems": 32},
+    "qgZ_b256": {"quantized_gradients": True, "gradient_quant_block_elems": 256},
+    "zeropp_g64": {"quantized_weights": True, "hpz_partition_size": 0, "quantized_gradients": True,
+                   "gradient_quant_block_elems": 64},
+    "zeropp_g32": {"quantized_weights": True, "hpz_partition_size": 0, "quantized_gradients": True,
+                   "gradient_quant_block_elems": 32},
+    "qwZ_b64": {"quantized_weights": True, "weight_quant_block_elems": 64},
 }
+DEFAULT_VARIANTS = ["stage3", "qwZ", "hpZ", "qgZ", "zeropp"]
 
 
 def corpus_batches(seq: int, vocab: int) -> TensorDataset:
@@ -116,13 +127,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS))
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None)
+    parser.add_argument("--from-json", type=Path, nargs="+", default=None,
+                        help="no training: merge these --out files (later ones win) and report them")
     args = parser.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "4"))
     rank0 = not int(os.environ.get("RANK", "0"))
     results: dict[str, dict] = {}
+    if args.from_json:
+        for path in args.from_json:
+            results.update(json.loads(path.read_text()))
+        args.variants = []
+        args.seeds = sorted({run["seed"] for r in results.values() for run in r["runs"]})
+        args.steps = len(next(iter(results.values()))["runs"][0]["loss"])
     for name in args.variants:
         runs = []
         for seed in args.seeds:
@@ -167,15 +186,20 @@ def main() -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(7, 4))
+        fig, (ax, dax) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=[2, 1])
+        means = {name: [mean(col) for col in zip(*[run["loss"] for run in r["runs"]])] for name, r in results.items()}
         for name, r in results.items():  # mean over seeds
-            curves = [run["loss"] for run in r["runs"]]
-            ax.plot([mean(col) for col in zip(*curves)], label=name, linewidth=1)
-        ax.set_xlabel("step")
+            (line,) = ax.plot(means[name], label=f"{name} ({len(r['runs'])} seeds)", linewidth=1)
+            if "stage3" in means and name != "stage3":  # the difference, smoothed over 10 steps
+                diff = [a - b for a, b in zip(means[name], means["stage3"])]
+                smooth = [mean(diff[max(0, i - 9) : i + 1]) for i in range(len(diff))]
+                dax.plot(smooth, label=name, linewidth=1, color=line.get_color())
         ax.set_ylabel("training loss")
-        ax.set_title(f"ZeRO-3 vs ZeRO++ (GPT-2 4x256, {world} ranks as 2 nodes, fp32, "
-                     f"mean of {len(args.seeds)} seeds)")
+        ax.set_title(f"ZeRO-3 vs ZeRO++: GPT-2 4x256, {world} ranks as 2 nodes, fp32", fontsize=10)
         ax.legend()
+        dax.axhline(0, color="0.6", linewidth=0.8)
+        dax.set_xlabel("step")
+        dax.set_ylabel("minus stage 3\n(10-step mean)")
         args.plot.parent.mkdir(parents=True, exist_ok=True)
         fig.tight_layout()
         fig.savefig(args.plot, dpi=120)
