@@ -43,6 +43,9 @@ VARIANTS = {
     "qgZ_b64": {"quantized_gradients": True, "gradient_quant_block_elems": 64},
     "qgZ_b32": {"quantized_gradients": True, "gradient_quant_block_elems": 32},
     "qgZ_b256": {"quantized_gradients": True, "gradient_quant_block_elems": 256},
+    "qgZ_int8_b256": {"quantized_gradients": True, "gradient_quant_bits": 8, "gradient_quant_block_elems": 256},
+    "zeropp_g256": {"quantized_weights": True, "hpz_partition_size": 0, "quantized_gradients": True,
+                    "gradient_quant_block_elems": 256},
     "zeropp_g64": {"quantized_weights": True, "hpz_partition_size": 0, "quantized_gradients": True,
                    "gradient_quant_block_elems": 64},
     "zeropp_g32": {"quantized_weights": True, "hpz_partition_size": 0, "quantized_gradients": True,
@@ -130,6 +133,7 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS))
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None)
+    parser.add_argument("--plot-variants", nargs="+", default=None, help="variants to draw (default: all)")
     parser.add_argument("--from-json", type=Path, nargs="+", default=None,
                         help="no training: merge these --out files (later ones win) and report them")
     args = parser.parse_args()
@@ -189,6 +193,8 @@ def main() -> None:
         fig, (ax, dax) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=[2, 1])
         means = {name: [mean(col) for col in zip(*[run["loss"] for run in r["runs"]])] for name, r in results.items()}
         for name, r in results.items():  # mean over seeds
+            if args.plot_variants and name not in args.plot_variants:
+                continue
             (line,) = ax.plot(means[name], label=f"{name} ({len(r['runs'])} seeds)", linewidth=1)
             if "stage3" in means and name != "stage3":  # the difference, smoothed over 10 steps
                 diff = [a - b for a, b in zip(means[name], means["stage3"])]

@@ -1,0 +1,272 @@
+"""One benchmark cell: train a GPT-2 for a few steps under one system and measure it.
+
+    torchrun --nproc-per-node 4 benchmarks/bench_train.py --system zeropp --simulated-nodes 2 \
+        --steps 14 --warmup 4 --out /tmp/cell.json
+
+Normally started by benchmarks/run.py inside benchmarks/simcluster.py (2 namespaces x P
+ranks, a shaped veth between them), which sets GLOO_SOCKET_IFNAME to the namespace's veth.
+
+Every system trains the same transformers GPT-2 (4 layers, width 256, 4 heads, vocab 512,
+seq 128, dropout off by default; ``--size large`` is 12 x 768), from the same seed, on the same data
+(the text shipped with the package, byte-level, folded into the vocab) in the same order
+(rank r reads samples r, r + W, ...; shuffle off), micro-batch ``--batch`` per rank,
+AdamW (lr 5e-4, weight decay 0.01), fp32 on CPU. Systems:
+
+    zeropp_stage_1/2/3, qwZ, hpZ, qgZ, zeropp   ours (ZeroPPStrategy), Lightning Trainer
+    ddp                                         Lightning's DDPStrategy
+    fsdp2                                       Lightning's ModelParallelStrategy with
+                                                fully_shard per GPT2Block + root (plain FSDP2)
+    deepspeed_zero3, deepspeed_zero3_hpz        DeepSpeed's engine, a plain loop
+                                                (DS_ACCELERATOR=cpu, gloo)
+    deepspeed_zeropp                            + its qwZ and qgZ (fails on CPU: reported)
+
+Measured per cell (rank 0 writes ``--out`` as JSON):
+- step_s: wall time between consecutive step ends on rank 0, median over the steps after
+  ``--warmup`` (collectives synchronize the ranks every step);
+- veth bytes per step: the namespace's veth TX+RX kernel counters (all cross-node traffic,
+  both directions, headers included) read at each step end, when GLOO_SOCKET_IFNAME names
+  a real interface; median over the measured steps;
+- ledger bytes per step (ours only): the CommLedger's inter-node bytes summed over ranks,
+  by collective kind, mean over the measured steps;
+- loss: mean of the last 3 steps' training loss (rank 0's micro-batch);
+- peak RSS of every rank (ru_maxrss).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+LR, WEIGHT_DECAY = 5e-4, 0.01
+SIZES = {"small": (4, 256), "large": (12, 768)}  # (layers, width)
+OURS = {
+    "zeropp_stage_1": {"stage": 1},
+    "zeropp_stage_2": {"stage": 2},
+    "zeropp_stage_3": {"stage": 3},
+    "qwZ": {"stage": 3, "quantized_weights": True},
+    "hpZ": {"stage": 3, "hpz_partition_size": 0},
+    "qgZ": {"stage": 3, "quantized_gradients": True},
+    "zeropp": {"stage": 3, "quantized_weights": True, "hpz_partition_size": 0, "quantized_gradients": True},
+}
+DEEPSPEED = {
+    "deepspeed_zero3": {},
+    "deepspeed_zero3_hpz": {"zero_hpz_partition_size": "ranks_per_node"},
+    # DeepSpeed's qwZ / qgZ: expected to fail on CPU; run.py reports its error.
+    "deepspeed_zeropp": {"zero_hpz_partition_size": "ranks_per_node", "zero_quantized_weights": True,
+                         "zero_quantized_gradients": True},
+}
+SYSTEMS = [*OURS, "ddp", "fsdp2", *DEEPSPEED]
+
+
+def corpus(seq: int, vocab: int) -> TensorDataset:
+    text = (Path(__file__).resolve().parents[1] / "zeropp_strategy" / "data" / "tiny_corpus.txt").read_bytes()
+    ids = torch.tensor(list(text), dtype=torch.long) % vocab
+    n = (ids.numel() - 1) // seq
+    return TensorDataset(ids[: n * seq].view(n, seq))
+
+
+def gpt2(size: str):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    layers, width = SIZES[size]
+    torch.manual_seed(0)
+    # Dropout off: each framework draws its own dropout masks, which would make the losses
+    # differ for no reason of the collectives; without it every system computes the same math.
+    cfg = GPT2Config(n_layer=layers, n_embd=width, n_head=4 if size == "small" else 12, vocab_size=512,
+                     n_positions=128, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(cfg)
+
+
+class Meter:
+    """Step-end timestamps, veth counters and (ours) ledger bytes, on every rank."""
+
+    def __init__(self) -> None:
+        ifname = os.environ.get("GLOO_SOCKET_IFNAME", "")
+        stats = Path(f"/sys/class/net/{ifname}/statistics")
+        self.stats = stats if ifname and ifname != "lo" and stats.exists() else None
+        self.times: list[float] = []
+        self.veth: list[int] = []
+        self.ledger: list[dict[str, int]] = []
+        self.losses: list[float] = []
+
+    def veth_bytes(self) -> int:
+        if self.stats is None:
+            return 0
+        return sum(int((self.stats / f"{d}_bytes").read_text()) for d in ("tx", "rx"))
+
+    def step_end(self, loss: float, ledger=None) -> None:  # noqa: ANN001
+        self.times.append(time.perf_counter())
+        self.veth.append(self.veth_bytes())
+        self.losses.append(loss)
+        if ledger is not None:
+            from zeropp_strategy.comm.ledger import CommKind
+
+            self.ledger.append({k.value: ledger.totals(k).inter_bytes for k in CommKind})
+            ledger.reset()
+
+    def result(self, warmup: int) -> dict:
+        step_s = [b - a for a, b in zip(self.times[warmup:], self.times[warmup + 1 :])]
+        veth = [b - a for a, b in zip(self.veth[warmup:], self.veth[warmup + 1 :])]
+        measured = self.ledger[warmup + 1 :]
+        by_kind = {k: statistics.mean(d[k] for d in measured) for k in measured[0]} if measured else {}
+        return {
+            "step_s": statistics.median(step_s),
+            "step_s_all": step_s,
+            "veth_bytes_per_step": statistics.median(veth) if self.stats else None,
+            "ledger_inter_bytes_per_step_by_kind": by_kind,
+            "loss": statistics.mean(self.losses[-3:]),
+            "losses": self.losses,
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        }
+
+
+# -- Lightning systems (ours, ddp, fsdp2) ---------------------------------------------------
+
+
+def run_lightning(args: argparse.Namespace, meter: Meter) -> None:
+    from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+
+    from zeropp_strategy import ZeroPPStrategy
+
+    class GPT(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = None
+
+        def configure_model(self) -> None:
+            if self.model is not None:
+                return
+            self.model = gpt2(args.size)
+            if args.system == "fsdp2":  # Lightning's own FSDP2 recipe: blocks, then the root
+                from torch.distributed.fsdp import fully_shard
+
+                mesh = self.device_mesh["data_parallel"]
+                for block in self.model.transformer.h:
+                    fully_shard(block, mesh=mesh)
+                fully_shard(self.model, mesh=mesh)
+
+        def training_step(self, batch, batch_idx):
+            (ids,) = batch
+            loss = self.model(input_ids=ids, labels=ids).loss
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+
+        def train_dataloader(self):
+            return DataLoader(corpus(128, 512), batch_size=args.batch, shuffle=False)
+
+    class Record(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            ledger = getattr(trainer.strategy, "comm_ledger", None)
+            meter.step_end(outputs["loss"].item(), ledger)
+
+    nodes = int(os.environ.get("GROUP_WORLD_SIZE", os.environ.get("NNODES", "1")))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if args.system in OURS:
+        strategy = ZeroPPStrategy(wrap_modules=["GPT2Block"], simulated_nodes=args.simulated_nodes,
+                                  **OURS[args.system])
+    elif args.system == "fsdp2":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        strategy = ModelParallelStrategy(data_parallel_size=nodes * per_node, tensor_parallel_size=1)
+    else:
+        strategy = "ddp"
+    seed_everything(0)
+    trainer = Trainer(
+        accelerator="cpu", devices=per_node, num_nodes=nodes, strategy=strategy, max_steps=args.steps,
+        callbacks=[Record()], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(GPT())
+
+
+# -- DeepSpeed ------------------------------------------------------------------------------
+
+
+def run_deepspeed(args: argparse.Namespace, meter: Meter) -> None:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    from torch.utils.data.distributed import DistributedSampler
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = gpt2(args.size)
+    zero = {"stage": 3}
+    for key, value in DEEPSPEED[args.system].items():
+        zero[key] = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if value == "ranks_per_node" else value
+    config = {
+        "train_micro_batch_size_per_gpu": args.batch,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+    }
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    data: Dataset = corpus(128, 512)
+    sampler = DistributedSampler(data, num_replicas=dist.get_world_size(), rank=dist.get_rank(), shuffle=False)
+    loader = DataLoader(data, batch_size=args.batch, sampler=sampler)
+    for step, (ids,) in enumerate(loader):
+        if step == args.steps:
+            break
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        meter.step_end(loss.item())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--system", choices=SYSTEMS, required=True)
+    parser.add_argument("--size", choices=list(SIZES), default="small")
+    parser.add_argument("--steps", type=int, default=14)
+    parser.add_argument("--warmup", type=int, default=4, help="steps left out of the step-time median")
+    parser.add_argument("--batch", type=int, default=2, help="micro-batch per rank (sequences of 128)")
+    parser.add_argument("--simulated-nodes", type=int, default=0, help="ours only: split one machine's ranks")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # 2 cores shared by all ranks: more threads only thrash
+
+    meter = Meter()
+    if args.system.startswith("deepspeed"):
+        run_deepspeed(args, meter)
+    else:
+        run_lightning(args, meter)
+    result = meter.result(args.warmup)
+    # Every rank's RSS and ledger bytes; the link carries the sum of what all ranks send.
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, (result["peak_rss_bytes"], result["ledger_inter_bytes_per_step_by_kind"]))
+    rank = dist.get_rank()
+    dist.barrier()
+    dist.destroy_process_group()  # every system the same way: no gloo teardown at interpreter exit
+    if rank != 0:
+        return
+    kinds = per_rank[0][1]
+    result.update(
+        system=args.system,
+        size=args.size,
+        world_size=len(per_rank),
+        peak_rss_bytes_per_rank=[r for r, _ in per_rank],
+        ledger_inter_bytes_per_step_by_kind={k: sum(p[1][k] for p in per_rank) for k in kinds},
+    )
+    result["ledger_inter_bytes_per_step"] = sum(result["ledger_inter_bytes_per_step_by_kind"].values()) if kinds else None
+    del result["peak_rss_bytes"]
+    print(f"{args.system}: step {result['step_s']:.3f} s, loss {result['loss']:.4f}, veth/step "
+          f"{result['veth_bytes_per_step']}, ledger/step {result['ledger_inter_bytes_per_step']}", flush=True)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

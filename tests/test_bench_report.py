@@ -1,0 +1,49 @@
+"""benchmarks/run.py's report: targets and rendering from a results dict (no cluster)."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks import run as bench
+
+
+def _cell(step_s, veth, loss, ledger=None):
+    return {
+        "step_s": step_s, "veth_bytes_per_step": veth, "loss": loss, "peak_rss_bytes_per_rank": [2**30, 2**29],
+        "ledger_inter_bytes_per_step_by_kind": ledger or {}, "ledger_inter_bytes_per_step": sum((ledger or {}).values()),
+        "world_size": 4,
+    }
+
+
+RESULTS = {
+    "200mbit/zeropp": _cell(0.4, 7e6, 4.0, {"param_allgather_fwd": 5e6, "grad_reduce": 1e6}),
+    "200mbit/zeropp_stage_3": _cell(1.0, 60e6, 3.95, {"param_allgather_fwd": 20e6, "grad_reduce": 20e6}),
+    "200mbit/deepspeed_zero3": _cell(0.9, 63e6, 3.96),
+    "200mbit/deepspeed_zeropp": {"error": "ValueError: This op had not been implemented on CPU backend."},
+    "unlimited/zeropp_stage_3": _cell(0.5, 60e6, 3.95),
+    "unlimited/fsdp2": _cell(0.5, 59e6, 3.95),
+}
+
+
+def test_targets_compare_the_right_cells():
+    got = {name: (measured, met) for name, measured, met in bench.targets(RESULTS)}
+    assert got["200 Mbit/s: zeropp step time <= 0.5 x our stage 3"] == ("0.40x", True)
+    assert got["200 Mbit/s: zeropp step time <= 0.5 x DeepSpeed ZeRO-3"] == ("0.44x", True)
+    assert got["cross-node bytes/step (veth): zeropp <= 0.30 x our stage 3"] == ("0.12x", True)
+    assert got["unlimited: zeropp_stage_3 step time <= 1.1 x Lightning FSDP2"] == ("1.00x", True)
+    assert got["unlimited: zeropp_stage_3 step time <= 1.0 x DeepSpeed ZeRO-3"] == ("not measured", None)
+    measured, met = got["loss after the run: zeropp within 2% of our stage 3"]
+    assert measured == "+1.27%" and met
+
+
+def test_render_writes_tables_and_nonempty_plots(tmp_path):
+    docs = tmp_path / "docs" / "benchmarks.md"
+    docs.parent.mkdir()
+    bench.render(json.loads(json.dumps(RESULTS)), docs, "python benchmarks/run.py")
+    text = docs.read_text()
+    assert "| zeropp | 0.400 | 0.40x | 0.44x | 7.00 | 6.00 | 4.0000 | 1024 |" in text
+    assert "| deepspeed_zeropp | failed: ValueError: This op had not been implemented on CPU backend." in text
+    for name in ("bench_step_time.png", "bench_bytes_per_step.png"):
+        png = tmp_path / "docs" / "img" / name
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+        assert f"(img/{name})" in text
