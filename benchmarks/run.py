@@ -22,6 +22,7 @@ import argparse
 import importlib.util
 import json
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -54,18 +55,13 @@ def run_cells(args: argparse.Namespace) -> dict:
                     results[key] = {"skipped": "deepspeed is not installed (pip install -e '.[bench]')"}
                     print(f"[{done}/{len(cells)}] {key}: skipped (no deepspeed)", flush=True)
                     continue
-                with tempfile.TemporaryDirectory() as tmp:
-                    cell_json = Path(tmp) / "cell.json"
-                    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_train.py"), "--system", system,
-                           "--size", args.size, "--steps", str(args.steps), "--warmup", str(args.warmup),
-                           "--batch", str(args.batch), "--out", str(cell_json)]
-                    res = cluster.run(cmd, nproc_per_node=args.nproc_per_node, timeout_s=args.cell_timeout_s,
-                                      env={"PYTHONPATH": str(ROOT)})
-                    if all(rc == 0 for rc in res.returncodes) and cell_json.exists():
-                        cell = json.loads(cell_json.read_text())
-                    else:
-                        cell = {"error": _error_line(res.outputs), "returncodes": res.returncodes}
-                cell.update(rate=rate, wall_s=res.wall_s, veth_run_bytes=res.veth_tx_bytes + res.veth_rx_bytes)
+                runs = [run_cell(cluster, system, args) for _ in range(args.repeat)]
+                ok = [c for c in runs if "step_s" in c]
+                cell = ok[0] if ok else runs[0]
+                if len(ok) > 1:  # the median of the runs' medians; every run's kept
+                    cell["step_s_runs"] = [c["step_s"] for c in ok]
+                    cell["step_s"] = statistics.median(cell["step_s_runs"])
+                cell["rate"] = rate
                 results[key] = cell
                 args.out.parent.mkdir(parents=True, exist_ok=True)
                 args.out.write_text(json.dumps(results, indent=1))
@@ -77,6 +73,23 @@ def run_cells(args: argparse.Namespace) -> dict:
                     print(f"[{done}/{len(cells)}] {key}: {cell['step_s']:.3f} s/step, {veth / MB:.2f} MB/step "
                           f"cross-node (veth), loss {cell['loss']:.4f} ({elapsed:.0f} s)", flush=True)
     return results
+
+
+def run_cell(cluster, system: str, args: argparse.Namespace) -> dict:  # noqa: ANN001
+    """One bench_train.py job on the cluster -> its JSON, or the error that stopped it."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cell_json = Path(tmp) / "cell.json"
+        cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_train.py"), "--system", system,
+               "--size", args.size, "--steps", str(args.steps), "--warmup", str(args.warmup),
+               "--batch", str(args.batch), "--out", str(cell_json)]
+        res = cluster.run(cmd, nproc_per_node=args.nproc_per_node, timeout_s=args.cell_timeout_s,
+                          env={"PYTHONPATH": str(ROOT)})
+        if all(rc == 0 for rc in res.returncodes) and cell_json.exists():
+            cell = json.loads(cell_json.read_text())
+        else:
+            cell = {"error": _error_line(res.outputs), "returncodes": res.returncodes}
+    cell.update(wall_s=res.wall_s, veth_run_bytes=res.veth_tx_bytes + res.veth_rx_bytes)
+    return cell
 
 
 def _error_line(outputs: list[str]) -> str:
@@ -144,11 +157,15 @@ def plot(results: dict, rates: list[str], systems: list[str], img_dir: Path) -> 
     names = []
     # Step time vs bandwidth, one line per system.
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for system in systems:
+    colors = plt.get_cmap("tab20").colors
+    for n, system in enumerate(systems):
         ys = [(_get(results, r, system) or {}).get("step_s") for r in rates]
         if any(y is not None for y in ys):
             xs = [i for i, y in enumerate(ys) if y is not None]
-            ax.plot(xs, [ys[i] for i in xs], marker="o", label=system, linewidth=2 if system == ZEROPP else 1)
+            ours = system.startswith("zeropp") or system in ("qwZ", "hpZ", "qgZ")
+            ax.plot(xs, [ys[i] for i in xs], marker="o" if ours else "s", linestyle="-" if ours else "--",
+                    color=colors[(2 * n) % 20 if n < 10 else (2 * n + 1) % 20], label=system,
+                    linewidth=2.5 if system == ZEROPP else 1)
     ax.set_xticks(range(len(rates)), rates)
     ax.set_xlabel("cross-node link (tc tbf rate)")
     ax.set_ylabel("median step time (s)")
@@ -207,7 +224,9 @@ def render(results: dict, docs: Path, command: str) -> None:
         "3 steps; RSS is the largest rank's peak.",
         "",
         "With 4 ranks on 2 cores, compute is slow and noisy: absolute step times are not those of a GPU "
-        "cluster. What carries over is the byte counts and how step time grows as the link slows.",
+        "cluster, and one run's median can move by 10-20% between runs of the same cell (cells run "
+        "several times show their range). What carries over is the byte counts and how step time grows "
+        "as the link slows.",
         "",
         "## Targets",
         "",
@@ -236,8 +255,12 @@ def render(results: dict, docs: Path, command: str) -> None:
                 continue
             veth = cell["veth_bytes_per_step"]
             ledger = cell.get("ledger_inter_bytes_per_step")
+            step = f"{cell['step_s']:.3f}"
+            if len(cell.get("step_s_runs", [])) > 1:
+                r = cell["step_s_runs"]
+                step += f" (median of {len(r)} runs, {min(r):.3f}-{max(r):.3f})"
             lines.append(
-                f"| {system} | {cell['step_s']:.3f} | {_ratio(cell['step_s'], base and base['step_s'])} | "
+                f"| {system} | {step} | {_ratio(cell['step_s'], base and base['step_s'])} | "
                 f"{_ratio(cell['step_s'], ds and ds['step_s'])} | {'-' if veth is None else f'{veth / MB:.2f}'} | "
                 f"{'-' if not ledger else f'{ledger / MB:.2f}'} | {cell['loss']:.4f} | "
                 f"{max(cell['peak_rss_bytes_per_rank']) / 2**20:.0f} |"
@@ -248,11 +271,41 @@ def render(results: dict, docs: Path, command: str) -> None:
     docs.write_text("\n".join(lines))
 
 
-HOW_TO = """## How to reproduce, and what each piece does
+HOW_TO = """## Reading the results
+
+- **Bytes.** ZeRO++ puts 7.0 MB per step on the cross-node link against 79 MB for plain
+  stage 3 and 60 MB for DeepSpeed ZeRO-3 (why DeepSpeed's ZeRO-3 puts fewer bytes on
+  the link than FSDP2's was not investigated). That is what makes `zeropp` 3.3x faster than
+  our stage 3 at 200 Mbit/s while it is no faster with unlimited bandwidth, where its
+  quantization work costs about as much as it saves.
+- **Ledger vs veth.** The CommLedger books payload bytes as if every rank sent its data
+  straight to each peer; the veth counts what gloo's algorithms really put on the link
+  (ring all-gathers, reduce-scatters built on all-reduces, TCP/IP headers). The two agree
+  for stage 3's gathers and differ by up to about 30% elsewhere; the veth is the one
+  that pays for time.
+- **Loss after 16 steps.** The exact systems (our stages 1-3, DDP, FSDP2) end on the same
+  loss, to every printed digit. `zeropp` ends 4.2% above stage 3 here, all of it from
+  qwZ (qwZ alone +4.2%, qgZ alone -0.6%): at initialisation the weights are N(0, 0.02),
+  so an int8 step of their block (about 6e-4) is as large as AdamW's first updates at
+  lr 5e-4. The effect fades with training: over 200 steps with warm-up, 3 seeds,
+  `zeropp` ends within 0.3% of stage 3 ([zeropp.md](zeropp.md#measured-200-training-steps-cross-node-bytes-and-loss)).
+  The loss target of this page is therefore missed on a 16-step run and met on a
+  200-step one.
+- **DeepSpeed's loss** differs from the exact systems' from the first step (6.2711 against
+  6.2783) although model, seed and data are meant to be the same; the cause is not
+  found yet. Its step time and bytes are unaffected by it.
+- **Noise.** With 4 ranks on 2 cores, single-run medians of the same cell were seen
+  0.44 to 0.67 s at unlimited bandwidth. The unlimited-bandwidth targets were therefore
+  taken from 3 runs per cell (`--repeat 3`); the 200 Mbit/s ratios are far from their
+  bounds.
+
+## How to reproduce, and what each piece does
 
 ```bash
 pip install torch==2.13.0 && pip install -e ".[bench]"   # matplotlib, psutil, deepspeed
-sudo python benchmarks/run.py                             # all 36 cells, about 25 min on 2 cores
+sudo python benchmarks/run.py                             # all 36 cells, about 22 min on 2 cores
+sudo python benchmarks/run.py --rates unlimited --repeat 3 \\
+    --systems zeropp_stage_3 fsdp2 deepspeed_zero3           # the unlimited targets, 3 runs each
 sudo python benchmarks/run.py --rates 200mbit --systems zeropp zeropp_stage_3 deepspeed_zero3
 python benchmarks/run.py --render-only                    # tables and plots from the JSON
 ```
@@ -286,6 +339,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=1, help="runs per cell; step time = median of them")
     parser.add_argument("--cell-timeout-s", type=int, default=600)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "suite.json")
     parser.add_argument("--docs", type=Path, default=ROOT / "docs" / "benchmarks.md")
