@@ -86,6 +86,18 @@ def gpt2(size: str):
     return GPT2LMHeadModel(cfg)
 
 
+def loader(batch: int) -> DataLoader:
+    """The same samples in the same order for every system: rank r reads r, r + W, ...
+
+    Built here, not left to Lightning: Lightning's own sampler did not give rank 0
+    samples 0 and W first, so its runs and DeepSpeed's saw different batches."""
+    from torch.utils.data.distributed import DistributedSampler
+
+    data: Dataset = corpus(128, 512)
+    sampler = DistributedSampler(data, num_replicas=dist.get_world_size(), rank=dist.get_rank(), shuffle=False)
+    return DataLoader(data, batch_size=batch, sampler=sampler)
+
+
 class Meter:
     """Step-end timestamps, veth counters and (ours) ledger bytes, on every rank."""
 
@@ -164,7 +176,7 @@ def run_lightning(args: argparse.Namespace, meter: Meter) -> None:
             return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
 
         def train_dataloader(self):
-            return DataLoader(corpus(128, 512), batch_size=args.batch, shuffle=False)
+            return loader(args.batch)
 
     class Record(Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -186,7 +198,7 @@ def run_lightning(args: argparse.Namespace, meter: Meter) -> None:
     trainer = Trainer(
         accelerator="cpu", devices=per_node, num_nodes=nodes, strategy=strategy, max_steps=args.steps,
         callbacks=[Record()], logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False,
+        enable_model_summary=False, use_distributed_sampler=False,
     )
     trainer.fit(GPT())
 
@@ -197,7 +209,6 @@ def run_lightning(args: argparse.Namespace, meter: Meter) -> None:
 def run_deepspeed(args: argparse.Namespace, meter: Meter) -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
-    from torch.utils.data.distributed import DistributedSampler
 
     deepspeed.init_distributed(dist_backend="gloo")
     model = gpt2(args.size)
@@ -213,10 +224,7 @@ def run_deepspeed(args: argparse.Namespace, meter: Meter) -> None:
     }
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-    data: Dataset = corpus(128, 512)
-    sampler = DistributedSampler(data, num_replicas=dist.get_world_size(), rank=dist.get_rank(), shuffle=False)
-    loader = DataLoader(data, batch_size=args.batch, sampler=sampler)
-    for step, (ids,) in enumerate(loader):
+    for step, (ids,) in enumerate(loader(args.batch)):
         if step == args.steps:
             break
         loss = engine(input_ids=ids, labels=ids).loss

@@ -291,12 +291,11 @@ HOW_TO = """## Reading the results
   `zeropp` ends within 0.3% of stage 3 ([zeropp.md](zeropp.md#measured-200-training-steps-cross-node-bytes-and-loss)).
   The loss target of this page is therefore missed on a 16-step run and met on a
   200-step one.
-- **DeepSpeed's loss** differs from the Lightning-run systems' from the first step (6.2711
-  against 6.2783). A plain single-process forward of the model on rank 0's first
-  micro-batch (samples 0 and 4) gives 6.2711, DeepSpeed's value: so it is the Lightning
-  runs (ours, Lightning's DDP and FSDP2 alike) whose first batch or initial weights differ
-  from the plain loop's, by something Lightning does before the first step. Not found yet;
-  it affects losses only, not step times or bytes.
+- **DeepSpeed's loss** equals the exact systems' for the first two steps (same weights,
+  same batches: `bench_train.py` builds the sampler itself, since Lightning's own sampler
+  gave rank 0 other samples than a plain `DistributedSampler`) and then drifts by a few
+  tenths of a percent: DeepSpeed's optimizer runs AdamW on flattened fp32 partitions, with
+  its own order of operations.
 - **Noise.** With 4 ranks on 2 cores, single-run medians of the same cell were seen
   0.44 to 0.67 s at unlimited bandwidth. The unlimited-bandwidth targets were therefore
   taken from 3 runs per cell (`--repeat 3`); the 200 Mbit/s ratios are far from their
