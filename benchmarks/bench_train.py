@@ -1,7 +1,7 @@
 """One benchmark cell: train a GPT-2 for a few steps under one system and measure it.
 
     torchrun --nproc-per-node 4 benchmarks/bench_train.py --system zeropp --simulated-nodes 2 \
-        --steps 14 --warmup 4 --out /tmp/cell.json
+        --steps 16 --warmup 4 --out cell.json
 
 Normally started by benchmarks/run.py inside benchmarks/simcluster.py (2 namespaces x P
 ranks, a shaped veth between them), which sets GLOO_SOCKET_IFNAME to the namespace's veth.
