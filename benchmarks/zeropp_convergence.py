@@ -23,13 +23,17 @@ import argparse
 import json
 import math
 import os
+import sys
 from pathlib import Path
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 from zeropp_strategy import ZeroPPStrategy
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make `benchmarks` importable
+from benchmarks.bench_train import corpus  # noqa: E402  (the shipped text, folded into the vocab)
 from zeropp_strategy.comm.ledger import CommKind
 
 VARIANTS = {
@@ -53,13 +57,6 @@ VARIANTS = {
     "qwZ_b64": {"quantized_weights": True, "weight_quant_block_elems": 64},
 }
 DEFAULT_VARIANTS = ["stage3", "qwZ", "hpZ", "qgZ", "zeropp"]
-
-
-def corpus_batches(seq: int, vocab: int) -> TensorDataset:
-    text = (Path(__file__).resolve().parents[1] / "zeropp_strategy" / "data" / "tiny_corpus.txt").read_bytes()
-    ids = torch.tensor(list(text), dtype=torch.long) % vocab
-    n = (ids.numel() - 1) // seq
-    return TensorDataset(ids[: n * seq].view(n, seq))
 
 
 class GPT(LightningModule):
@@ -96,7 +93,7 @@ class GPT(LightningModule):
 
     def train_dataloader(self):
         gen = torch.Generator().manual_seed(self.seed)
-        return DataLoader(corpus_batches(128, 512), batch_size=4, shuffle=True, generator=gen)
+        return DataLoader(corpus(128, 512), batch_size=4, shuffle=True, generator=gen)
 
 
 class Record(Callback):
