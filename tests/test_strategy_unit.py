@@ -16,12 +16,26 @@ from zeropp_strategy.engine.wrap import select_blocks
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
-def test_registry_names_resolve_in_lightning(name):
+def test_registry_names_resolve_in_lightning(name, tmp_path, monkeypatch):
     from lightning.pytorch import Trainer
 
+    monkeypatch.setenv("ZEROPP_NVME_PATH", str(tmp_path))  # zeropp_offload_nvme's swap directory
     trainer = Trainer(strategy=name, accelerator="cpu", devices=2, logger=False)
     assert isinstance(trainer.strategy, ZeroPPStrategy)
     assert trainer.strategy.stage == PRESETS[name]["stage"]
+    if name.startswith("zeropp_offload"):
+        cfg = trainer.strategy.config
+        assert cfg.offload_param.device == "cpu"
+        assert cfg.offload_optimizer.device == ("nvme" if name.endswith("nvme") else "cpu")
+        assert cfg.offload_optimizer.nvme_path == (str(tmp_path) if name.endswith("nvme") else None)
+
+
+def test_nvme_preset_without_a_path_names_the_variable(monkeypatch):
+    from lightning.pytorch import Trainer
+
+    monkeypatch.delenv("ZEROPP_NVME_PATH", raising=False)
+    with pytest.raises(ValueError, match=r"offload_optimizer\.nvme_path=None.*export ZEROPP_NVME_PATH="):
+        Trainer(strategy="zeropp_offload_nvme", accelerator="cpu", devices=2, logger=False)
 
 
 def test_registry_names_resolve_in_pytorch_lightning():
@@ -136,10 +150,12 @@ def test_package_exports():
 def test_planned_features_warn_instead_of_silently_doing_nothing():
     from zeropp_strategy import ZeroConfigWarning
 
-    with pytest.warns(ZeroConfigWarning, match=r"offload_optimizer.device='cpu'") as record:
-        ZeroPPStrategy(quantize_frozen_weights=True, offload_optimizer="cpu")
-    # int8 frozen storage is built: it is not among the planned features any more.
+    with pytest.warns(ZeroConfigWarning, match=r"offload_param.device='nvme'") as record:
+        ZeroPPStrategy(stage=3, quantize_frozen_weights=True, offload_optimizer="cpu",
+                       offload_param={"device": "nvme", "nvme_path": "."})
+    # int8 frozen storage and CPU/NVMe optimizer offload are built: they do not warn.
     assert not any("quantize_frozen_weights" in str(w.message) for w in record)
+    assert not any("offload_optimizer" in str(w.message) for w in record)
 
 
 def test_precision_device_is_bound_late():

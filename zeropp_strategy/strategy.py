@@ -100,6 +100,17 @@ _TENSORS = "__zeropp_tensors__"  # optimizer_state() -> save_checkpoint hand-off
 PRESETS: dict[str, dict[str, Any]] = {
     # hpz_partition_size=0: ranks per node, resolved at setup.
     "zeropp": {"stage": 3, "quantized_weights": True, "hpz_partition_size": 0, "quantized_gradients": True},
+    # Offload presets: ZeRO++ with the optimizer step on the host (ZeRO-Offload), and
+    # parameters resting in host memory; the nvme one swaps optimizer state to
+    # offload_optimizer.nvme_path (default: $ZEROPP_NVME_PATH).
+    "zeropp_offload": {
+        "stage": 3, "quantized_weights": True, "hpz_partition_size": 0, "quantized_gradients": True,
+        "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"},
+    },
+    "zeropp_offload_nvme": {
+        "stage": 3, "quantized_weights": True, "hpz_partition_size": 0, "quantized_gradients": True,
+        "offload_optimizer": {"device": "nvme"}, "offload_param": {"device": "cpu"},
+    },
     "zeropp_stage_1": {"stage": 1},
     "zeropp_stage_2": {"stage": 2},
     "zeropp_stage_3": {"stage": 3},
@@ -120,7 +131,29 @@ def _resolve_config(config: ZeroConfig | Mapping[str, Any] | str | Path | None, 
             f"ZeroPPStrategy(config={config!r}) is invalid: expected a ZeroConfig, a dict, or a path "
             "to a YAML/DeepSpeed JSON file. Fix: pass one of those."
         )
+    overrides = {k: _nvme_path_from_env(k, v) for k, v in overrides.items()}
     return base.replace(**overrides) if overrides else base
+
+
+#: Default for an NVMe offload block that names no nvme_path.
+NVME_PATH_ENV = "ZEROPP_NVME_PATH"
+
+
+def _nvme_path_from_env(name: str, value: Any) -> Any:
+    """``{"device": "nvme"}`` without ``nvme_path`` takes it from ``$ZEROPP_NVME_PATH``."""
+    import os
+
+    if name in ("offload_optimizer", "offload_param") and isinstance(value, Mapping):
+        if value.get("device") == "nvme" and not value.get("nvme_path"):
+            env = os.environ.get(NVME_PATH_ENV)
+            if not env:
+                raise ValueError(
+                    f"ZeroConfig.{name}.nvme_path=None is invalid: device='nvme' needs a directory for its swap "
+                    f"files. Fix: export {NVME_PATH_ENV}=/path/on/local/nvme, or pass "
+                    f"{name}={{'device': 'nvme', 'nvme_path': '/path/on/local/nvme'}}."
+                )
+            value = {**value, "nvme_path": env}
+    return value
 
 
 #: Fields that validate today but whose feature lands in a later release.
@@ -138,21 +171,29 @@ def _warn_unimplemented(config: ZeroConfig) -> None:
         for name, (what, default) in _PLANNED.items()
         if getattr(config, name) != default
     ]
-    for name in ("offload_optimizer", "offload_param"):
-        if getattr(config, name).device != "none":
-            asked.append(f"{name}.device={getattr(config, name).device!r} (offload)")
+    if config.offload_param.device == "nvme":
+        asked.append("offload_param.device='nvme' (parameters stay in host memory, as with 'cpu')")
     if asked:
         warnings.warn(
             "ZeroConfig asks for features this version does not implement yet: "
             + "; ".join(asked)
-            + ". Training runs without them (plain ZeRO collectives, no offload). Fix: remove these "
-            "settings to silence this warning, or upgrade when they land.",
+            + ". Training runs without them. Fix: remove these settings to silence this warning, or upgrade "
+            "when they land.",
             ZeroConfigWarning,
             stacklevel=3,
         )
 
 
 _EXIT_HOOK_INSTALLED = False
+
+
+def _close_offload(optimizer: Any) -> None:
+    from zeropp_strategy.offload import OffloadOptimizer
+
+    inner = getattr(optimizer, "_optimizer", optimizer)
+    inner = inner.optimizer if isinstance(inner, ShardedOptimizer) else inner
+    if isinstance(inner, OffloadOptimizer):
+        inner.close()
 
 
 def _destroy_process_groups_at_exit() -> None:
@@ -342,6 +383,7 @@ class ZeroPPStrategy(ParallelStrategy):
         # Job-size checks run on every rank BEFORE the first collective (a one-rank
         # error inside a collective would hang the others).
         self.config.validate_for_world(self.world_size, self.num_processes)
+        self._check_offload_paths()
         self._topology = Topology.detect(
             self.world_size,
             self.global_rank,
@@ -362,6 +404,13 @@ class ZeroPPStrategy(ParallelStrategy):
         self._ledger = CommLedger(self._topology)
         self.precision_plugin.bind(self.root_device.type, self._ledger, self._meshes.world.get_group())
         rank_zero_info(f"zeropp: stage {self.stage}, {self._topology.describe()}")
+
+    def _check_offload_paths(self) -> None:
+        """A missing or read-only nvme_path fails here, on every rank, before any collective."""
+        if self.config.offload_optimizer.device == "nvme":
+            from zeropp_strategy.offload.swap import check_swap_root
+
+            check_swap_root(self.config.offload_optimizer.nvme_path, "offload_optimizer")
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -508,9 +557,63 @@ class ZeroPPStrategy(ParallelStrategy):
                 )
                 for opt in self.optimizers
             ]
+        if self.config.offload_optimizer.device != "none":
+            self.optimizers = self._agree("building the offloaded optimizers", self._offload_optimizers)
+
+    def _offload_optimizers(self) -> list[Optimizer]:
+        from zeropp_strategy.offload import OffloadOptimizer
+
+        wrapped: list[Optimizer] = []
+        try:
+            for opt in self.optimizers:
+                if isinstance(opt, ShardedOptimizer):  # stage 1: offload what the shard view steps
+                    if not isinstance(opt.optimizer, OffloadOptimizer):
+                        opt.optimizer = OffloadOptimizer(opt.optimizer, self.config.offload_optimizer, rank=self.global_rank)
+                    wrapped.append(opt)
+                elif isinstance(opt, OffloadOptimizer):
+                    wrapped.append(opt)
+                else:
+                    wrapped.append(OffloadOptimizer(opt, self.config.offload_optimizer, rank=self.global_rank))
+        except BaseException:
+            for opt in wrapped:
+                _close_offload(opt)
+            raise
+        return wrapped
+
+    def _agree(self, what: str, fn: Any) -> Any:
+        """Run a rank-local step that may fail (a full disk) so that all ranks fail together.
+
+        Every rank runs ``fn``, then one all-reduce says whether any failed: the failing
+        rank raises its own error, the others an error naming it, instead of waiting in
+        the next collective until the timeout.
+        """
+        error: BaseException | None = None
+        result = None
+        try:
+            result = fn()
+        except Exception as e:  # noqa: BLE001 - re-raised below, after the others know
+            error = e
+        flag = torch.tensor([self.global_rank if error is not None else -1], dtype=torch.int64)
+        if self.root_device.type != "cpu" and dist.get_backend() == "nccl":
+            flag = flag.to(self.root_device)
+        if _distributed_is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if error is not None:
+            raise error
+        failed = int(flag.item())
+        if failed >= 0:
+            raise RuntimeError(f"zeropp: {what} failed on rank {failed} (its error is in its log); stopping this rank too.")
+        return result
 
     def model_to_device(self) -> None:
         assert self.model is not None
+        if self.stage == 3 and self.config.offload_param.device != "none":
+            # FSDP2 keeps the sharded parameters in host memory; only buffers go to the device.
+            for m in self.model.modules():
+                for name, buf in m._buffers.items():
+                    if buf is not None:
+                        m._buffers[name] = buf.to(self.root_device)
+            return
         self.model.to(self.root_device)
 
     @contextmanager
@@ -744,6 +847,8 @@ class ZeroPPStrategy(ParallelStrategy):
     # -- teardown and registry ----------------------------------------------------------
 
     def teardown(self) -> None:
+        # Offloaded optimizers keep their swap files past fit (trainer.save_checkpoint after
+        # fit needs them); they are removed when the optimizer is freed or at exit.
         if isinstance(self.model, DistributedDataParallel):
             self.model = self.lightning_module
         assert self.cluster_environment is not None

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from zeropp_strategy.comm.collectives import LedgerAllGather, LedgerReduceScatter
 from zeropp_strategy.comm.ledger import CommLedger
@@ -130,6 +130,7 @@ def shard_module(
         log.info("zeropp: %d frozen weights stored as int8 shards", len(quantized))
         if dense:
             log.info("zeropp: frozen weights kept dense (FSDP2 cannot pad int8 shards): %s", "; ".join(dense))
+    offload = offload_policy(config)
     hpz_off: list[str] = []
     for block in blocks:
         block_raf = reshard_after_forward
@@ -137,7 +138,8 @@ def shard_module(
             # FSDP2 keeps no secondary shard of extension tensors: see [Note: frozen int8 storage].
             block_raf = True
             hpz_off.append(type(block).__name__)
-        fully_shard(block, mesh=mesh, reshard_after_forward=block_raf, mp_policy=mp_policy, ignored_params=ignored)
+        fully_shard(block, mesh=mesh, reshard_after_forward=block_raf, mp_policy=mp_policy, ignored_params=ignored,
+                    offload_policy=offload)
     if hpz_off:
         log.warning(
             "zeropp: hpZ is off for %d blocks holding int8-stored frozen weights (%s): FSDP2 keeps no "
@@ -146,11 +148,23 @@ def shard_module(
         )
     # The root's parameters (embeddings, head) are needed first in backward anyway;
     # FSDP2's own advice is not to reshard the root after forward.
-    fully_shard(root, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy, ignored_params=ignored)
+    fully_shard(root, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy, ignored_params=ignored,
+                offload_policy=offload)
     install_comms(root, ledger, all_gather=all_gather, reduce_scatter=reduce_scatter)
-    materialize(root, device)
+    # Offloaded shards are initialized where they rest; buffers go to the device later.
+    materialize(root, torch.device("cpu") if isinstance(offload, CPUOffloadPolicy) else device)
     log.info("zeropp: stage %d sharded %d blocks + root over %d ranks", config.stage, len(blocks), mesh.size())
     return blocks
+
+
+def offload_policy(config: ZeroConfig) -> OffloadPolicy:
+    """``offload_param="cpu"``: FSDP2 keeps sharded parameters (and their grads) in host
+    memory and copies each group to the device ahead of its all-gather (FSDP2 issues the
+    next group's copy-in and gather while the current group computes). Pinned only when
+    CUDA exists: pinning needs a CUDA context."""
+    if config.offload_param.device in ("cpu", "nvme"):  # nvme: not built yet, rests in host memory (warned)
+        return CPUOffloadPolicy(pin_memory=config.offload_param.pin_memory and torch.cuda.is_available())
+    return OffloadPolicy()
 
 
 def replicated_params(root: nn.Module) -> list[nn.Parameter]:

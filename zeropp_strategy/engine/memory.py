@@ -76,6 +76,8 @@ class MemoryStats:
     predicted_optimizer_bytes: int
     peak_rss_bytes: int
     cuda_allocated_bytes: int = 0
+    offloaded_cpu_bytes: int = 0  # optimizer state (or swap buffers) in host RAM, with offload
+    offloaded_nvme_bytes: int = 0  # optimizer state in swap files, with NVMe offload
 
     @property
     def total_bytes(self) -> int:
@@ -102,14 +104,32 @@ class MemoryStats:
         lines = [f"memory rank {self.rank} (stage {self.stage}, N={self.world_size}, P={self.num_params:,})"]
         lines.append(f"  {'':10s} {'held MiB':>10s} {'formula MiB':>11s}")
         lines += [f"  {name:10s} {held / mb:10.3f} {pred / mb:11.3f}" for name, held, pred in rows]
+        if self.offloaded_cpu_bytes or self.offloaded_nvme_bytes:
+            lines.append(
+                f"  offloaded optimizer state: {self.offloaded_cpu_bytes / mb:.3f} MiB host RAM, "
+                f"{self.offloaded_nvme_bytes / mb:.3f} MiB NVMe"
+            )
         lines.append(f"  peak RSS {self.peak_rss_bytes / mb:.1f} MiB")
         if self.cuda_allocated_bytes:
             lines.append(f"  CUDA allocated {self.cuda_allocated_bytes / mb:.1f} MiB")
         return "\n".join(lines)
 
 
+def offloaded(optimizer: Optimizer) -> "OffloadOptimizer | None":  # noqa: F821
+    """The OffloadOptimizer inside Lightning's and stage 1's wrappers, if any."""
+    from zeropp_strategy.engine.stage1 import ShardedOptimizer
+    from zeropp_strategy.offload import OffloadOptimizer
+
+    inner = getattr(optimizer, "_optimizer", optimizer)
+    inner = inner.optimizer if isinstance(inner, ShardedOptimizer) else inner
+    return inner if isinstance(inner, OffloadOptimizer) else None
+
+
 def _optimizer_state_tensors(optimizers: Iterable[Optimizer]) -> Iterable[torch.Tensor]:
+    """State tensors held in the training process's own optimizer (offloaded state excluded)."""
     for opt in optimizers:
+        if offloaded(opt) is not None:
+            continue
         inner = getattr(opt, "_optimizer", opt)
         for state in inner.state.values():
             for v in state.values():
@@ -125,6 +145,16 @@ def _state_bytes_per_elem(optimizers: list[Optimizer], num_trainable: int) -> fl
             continue  # Adam's `step` counter: not per element
         total += t.numel() * t.element_size()  # DTensor.numel() is the global size
     return total / max(1, num_trainable)
+
+
+def _offloaded_bytes(optimizers: Iterable[Optimizer]) -> tuple[int, int]:
+    cpu = nvme = 0
+    for opt in optimizers:
+        off = offloaded(opt)
+        if off is not None:
+            b = off.offloaded_bytes()
+            cpu, nvme = cpu + b["cpu"], nvme + b["nvme"]
+    return cpu, nvme
 
 
 def peak_rss_bytes() -> int:
@@ -161,6 +191,7 @@ def memory_stats(module: nn.Module, optimizers: list[Optimizer], *, stage: int, 
     else:  # 0: plain data parallel, for comparison
         pred = (a * p_all, g * p_tr, k * p_tr)
     cuda = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+    off_cpu, off_nvme = _offloaded_bytes(optimizers)
     return MemoryStats(
         rank=rank,
         stage=stage,
@@ -174,4 +205,6 @@ def memory_stats(module: nn.Module, optimizers: list[Optimizer], *, stage: int, 
         predicted_optimizer_bytes=int(pred[2]),
         peak_rss_bytes=peak_rss_bytes(),
         cuda_allocated_bytes=cuda,
+        offloaded_cpu_bytes=off_cpu,
+        offloaded_nvme_bytes=off_nvme,
     )

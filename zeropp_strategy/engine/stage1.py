@@ -58,7 +58,36 @@ class _Slot:
     chunk_rows: int  # rows every rank contributes to the gather (padding included)
 
 
-class ShardedOptimizer(Optimizer):
+class WrappingOptimizer(Optimizer):
+    """Base of optimizers that wrap the user's: its ``param_groups`` and ``defaults`` are
+    the wrapped optimizer's own objects, so LR schedulers (bound to the user's optimizer)
+    and code holding the wrapper see the same hyper-parameters. Subclasses set
+    ``self.optimizer`` and skip ``Optimizer.__init__``."""
+
+    optimizer: Optimizer
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    @staticmethod
+    def _evaluate(closure: Callable[[], Any] | None) -> Any:
+        """Run ``step``'s closure (forward and backward) with grad enabled; its loss."""
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
+
+
+class ShardedOptimizer(WrappingOptimizer):
     """Wraps a user optimizer so that its state holds only this rank's rows.
 
     ``step()`` points each shard's grad at the matching rows of the all-reduced full
@@ -133,20 +162,8 @@ class ShardedOptimizer(Optimizer):
     # -- Optimizer surface ---------------------------------------------------------------
 
     @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self.optimizer.param_groups = value
-
-    @property
     def state(self) -> dict[Any, Any]:  # type: ignore[override]
         return self.optimizer.state
-
-    @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
-        return self.optimizer.defaults
 
     @property
     def full_params(self) -> list[nn.Parameter]:
@@ -187,10 +204,7 @@ class ShardedOptimizer(Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self._evaluate(closure)
         self._bind_grads()
         with self.ledger.phase(Phase.OPTIMIZER):
             self.optimizer.step()

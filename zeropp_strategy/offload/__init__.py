@@ -1,0 +1,10 @@
+"""CPU and NVMe offload of optimizer state (ZeRO-Offload / ZeRO-Infinity style).
+
+``OffloadOptimizer`` runs the optimizer step on the host with its state in RAM or in
+NVMe swap files; ``swap`` has the swap files, buffers and directory lifecycle. Parameter
+offload to CPU is FSDP2's ``CPUOffloadPolicy`` (see ``engine.fsdp``).
+"""
+
+from zeropp_strategy.offload.optimizer import OffloadOptimizer
+
+__all__ = ["OffloadOptimizer"]

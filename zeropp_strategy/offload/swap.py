@@ -1,0 +1,212 @@
+"""NVMe swap: per-run swap directories, swap files, aligned host buffers, parallel I/O.
+
+[Note: swap I/O]
+A swap file holds one flat array (one optimizer-state key of one dtype stream, see
+``offload.optimizer``). Reads and writes move whole batches between the file and an
+aligned host buffer, split into ``io_block_bytes`` requests that a thread pool issues
+with ``os.preadv`` / ``os.pwritev`` (both release the GIL, so requests run in parallel
+and the disk sees a queue depth of ``io_threads``). With ``direct=True`` the file is
+opened ``O_DIRECT`` (no page cache: host memory stays what the buffers take, and the
+disk, not the cache, is measured); offsets and lengths are then multiples of
+``ALIGN`` and buffers start on an ``ALIGN`` boundary. Filesystems that refuse
+``O_DIRECT`` (tmpfs, some network filesystems) fall back to buffered I/O.
+
+Swap directories are created per run and per rank with mode 0700 under the user's
+``nvme_path`` and removed when the optimizer is closed, at interpreter exit, and on the
+next start for directories whose process (same host) no longer exists (a SIGKILL
+leaves no chance to clean up).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shutil
+import socket
+import tempfile
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+ALIGN = 4096
+_PREFIX = "zeropp-swap-"
+
+
+def align_up(n: int, a: int = ALIGN) -> int:
+    return -(-n // a) * a
+
+
+def aligned_buffer(nbytes: int, *, pin: bool) -> torch.Tensor:
+    """A uint8 CPU tensor of ``nbytes`` starting on an ``ALIGN`` boundary (pinned if asked)."""
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
+    skip = (-raw.data_ptr()) % ALIGN
+    return raw[skip : skip + nbytes]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_stale(root: Path) -> None:
+    """Remove swap directories of dead processes on this host (a killed run's leftovers)."""
+    host = socket.gethostname()
+    for d in root.glob(f"{_PREFIX}{host}-*"):
+        try:
+            pid = int(d.name[len(_PREFIX) + len(host) + 1 :].split("-", 1)[0])
+        except ValueError:
+            continue
+        if pid != os.getpid() and not _pid_alive(pid):
+            log.info("zeropp: removing stale swap directory %s (process %d is gone)", d, pid)
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def check_swap_root(path: str | os.PathLike[str], field: str) -> Path:
+    """The ``nvme_path`` as a usable directory, or an error that names the field and the fix."""
+    root = Path(path)
+    if not root.is_dir():
+        raise FileNotFoundError(
+            f"ZeroConfig.{field}.nvme_path={str(root)!r} does not exist or is not a directory. Fix: create it "
+            "(e.g. mkdir -p on a local NVMe drive) or point nvme_path at an existing directory."
+        )
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise PermissionError(
+            f"ZeroConfig.{field}.nvme_path={str(root)!r} is not writable by this process. Fix: choose a "
+            "directory you can write to, or change its permissions."
+        )
+    return root
+
+
+class SwapDir:
+    """A per-run, per-rank directory (mode 0700) that removes itself."""
+
+    def __init__(self, root: str | os.PathLike[str], rank: int, *, field: str = "offload_optimizer") -> None:
+        base = check_swap_root(root, field)
+        _remove_stale(base)
+        prefix = f"{_PREFIX}{socket.gethostname()}-{os.getpid()}-rank{rank}-"
+        self.path = Path(tempfile.mkdtemp(prefix=prefix, dir=base))  # mkdtemp: mode 0700
+        self.root = base
+        self._finalizer = weakref.finalize(self, shutil.rmtree, str(self.path), True)
+
+    def ensure_space(self, nbytes: int) -> None:
+        free = shutil.disk_usage(self.path).free
+        if free < nbytes:
+            raise OSError(
+                errno.ENOSPC,
+                f"not enough space for optimizer swap files under {self.root}: need {nbytes} bytes "
+                f"({nbytes / 2**30:.2f} GiB) on this rank, {free} bytes free. Fix: free space, point nvme_path at a "
+                "larger drive, or offload to 'cpu'",
+            )
+
+    def close(self) -> None:
+        self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+
+class SwapFile:
+    """A preallocated file of ``nbytes`` read and written in parallel blocks."""
+
+    def __init__(
+        self,
+        path: Path,
+        nbytes: int,
+        pool: ThreadPoolExecutor,
+        *,
+        direct: bool,
+        io_block_bytes: int,
+    ) -> None:
+        self.path = path
+        self.nbytes = align_up(max(nbytes, 1))
+        self.pool = pool
+        self.io_block_bytes = align_up(io_block_bytes)
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL
+        self.direct = False
+        fd = -1
+        if direct and hasattr(os, "O_DIRECT"):
+            try:
+                fd = os.open(path, flags | os.O_DIRECT, 0o600)
+                self.direct = True
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                log.info("zeropp: %s refuses O_DIRECT; using buffered I/O", path.parent)
+        if fd < 0:
+            fd = os.open(path, flags, 0o600)
+        self.fd = fd
+        try:
+            os.posix_fallocate(fd, 0, self.nbytes)
+        except OSError as e:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise OSError(
+                    e.errno,
+                    f"no space left for swap file {path}: it needs {self.nbytes} bytes. Fix: free space, point "
+                    "nvme_path at a larger drive, or offload to 'cpu'",
+                ) from None
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            os.ftruncate(fd, self.nbytes)
+
+    def _io(self, write: bool, buf: torch.Tensor, offset: int) -> list[Future]:
+        """Split [offset, offset + len(buf)) into blocks, one pool task each."""
+        n = buf.numel()
+        view = memoryview(buf.numpy())
+        futures = []
+        for start in range(0, n, self.io_block_bytes):
+            stop = min(n, start + self.io_block_bytes)
+            futures.append(self.pool.submit(self._rw, write, view[start:stop], offset + start))
+        return futures
+
+    def _rw(self, write: bool, mv: memoryview, offset: int) -> None:
+        done = 0
+        total = len(mv)
+        while done < total:
+            chunk = mv[done:]
+            n = os.pwritev(self.fd, [chunk], offset + done) if write else os.preadv(self.fd, [chunk], offset + done)
+            if n <= 0:
+                what = "write" if write else "read"
+                raise OSError(errno.EIO, f"short {what} on swap file {self.path} at byte {offset + done}")
+            done += n
+
+    def read_into(self, buf: torch.Tensor, offset: int) -> list[Future]:
+        """Start reading ``buf.numel()`` bytes at ``offset`` into the uint8 ``buf``."""
+        return self._io(False, buf, offset)
+
+    def write_from(self, buf: torch.Tensor, offset: int) -> list[Future]:
+        """Start writing the uint8 ``buf`` to ``offset``."""
+        return self._io(True, buf, offset)
+
+    def mapped(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """The file as a shared memory map (page cache, not anonymous memory): for checkpoints.
+
+        Writes through the map reach the file; call ``sync()`` before the next direct read.
+        """
+        os.fsync(self.fd)  # direct writes are on disk; buffered ones must not hide behind the map
+        return torch.from_file(str(self.path), shared=True, size=numel, dtype=dtype)
+
+    def sync(self) -> None:
+        os.fsync(self.fd)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def wait(futures: list[Future]) -> None:
+    for f in futures:
+        f.result()
