@@ -452,3 +452,16 @@ def test_offload_failures_stop_every_rank(tmp_path):
     assert "not enough space" in per_rank[1]["full"], per_rank[1]
     assert "failed on rank 1" in per_rank[0]["full"], per_rank[0]
     assert [p for p in tmp_path.iterdir() if p.name.startswith("zeropp-swap")] == []
+
+
+def test_nvme_path_defaults_to_the_environment(monkeypatch, tmp_path):
+    from zeropp_strategy import ZeroConfig
+
+    monkeypatch.setenv("ZEROPP_NVME_PATH", str(tmp_path))
+    assert OffloadConfig(device="nvme").nvme_path == str(tmp_path)
+    assert ZeroConfig(offload_optimizer="nvme").offload_optimizer.nvme_path == str(tmp_path)
+    assert ZeroConfig.from_dict({"offload_optimizer": {"device": "nvme"}}).offload_optimizer.nvme_path == str(tmp_path)
+    assert OffloadConfig(device="nvme", nvme_path="elsewhere").nvme_path == "elsewhere"  # explicit wins
+    monkeypatch.delenv("ZEROPP_NVME_PATH")
+    with pytest.raises(ValueError, match=r"nvme_path=None.*ZEROPP_NVME_PATH"):
+        OffloadConfig(device="nvme")

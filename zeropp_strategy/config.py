@@ -90,6 +90,10 @@ def _check_keys(d: Mapping[Any, Any], valid: tuple[str, ...], where: str) -> Non
         _invalid(f"{where}.{key}", value, "no such field", fix)
 
 
+#: Environment variable that supplies ``nvme_path`` when an NVMe offload block names none.
+NVME_PATH_ENV = "ZEROPP_NVME_PATH"
+
+
 @dataclass(frozen=True, kw_only=True)
 class OffloadConfig:
     """Where optimizer state (``offload_optimizer``) or parameter shards (``offload_param``) live."""
@@ -97,7 +101,8 @@ class OffloadConfig:
     device: str = "none"
     """One of "none" (accelerator memory), "cpu" (host memory), "nvme" (swap files in ``nvme_path``)."""
     nvme_path: str | None = None
-    """Directory for the swap files; required when ``device == "nvme"``, unused otherwise."""
+    """Directory for the swap files; required when ``device == "nvme"`` (default: the
+    environment variable ``ZEROPP_NVME_PATH``), unused otherwise."""
     pin_memory: bool = True
     """Page-lock host buffers, so host <-> device copies are asynchronous and faster."""
     buffer_count: int = 4
@@ -117,10 +122,13 @@ class OffloadConfig:
         if path is not None and not isinstance(path, (str, os.PathLike)):
             _invalid(f"{w}.nvme_path", path, f"must be a str path or None, not {type(path).__name__}",
                      "give a directory such as '/local_nvme'", TypeError)
+        if dev == "nvme" and not path and os.environ.get(NVME_PATH_ENV):
+            path = os.environ[NVME_PATH_ENV]  # the cluster's local NVMe, set once per job
         put("nvme_path", None if path is None else os.fspath(path))
         if dev == "nvme" and not path:
             _invalid(f"{w}.nvme_path", path, "device='nvme' needs a directory for its swap files",
-                     "set nvme_path to a directory on a local NVMe drive, e.g. '/local_nvme'")
+                     f"set nvme_path to a directory on a local NVMe drive, e.g. '/local_nvme', or export "
+                     f"{NVME_PATH_ENV}=/local_nvme")
         _bool(f"{w}.pin_memory", self.pin_memory, "use True (faster copies) or False (if pinned memory is scarce)")
         fix = "use buffer_count=4 (at least 2, to overlap swapping with compute)"
         put("buffer_count", _at_least(f"{w}.buffer_count", self.buffer_count, 2, fix))

@@ -131,29 +131,7 @@ def _resolve_config(config: ZeroConfig | Mapping[str, Any] | str | Path | None, 
             f"ZeroPPStrategy(config={config!r}) is invalid: expected a ZeroConfig, a dict, or a path "
             "to a YAML/DeepSpeed JSON file. Fix: pass one of those."
         )
-    overrides = {k: _nvme_path_from_env(k, v) for k, v in overrides.items()}
     return base.replace(**overrides) if overrides else base
-
-
-#: Default for an NVMe offload block that names no nvme_path.
-NVME_PATH_ENV = "ZEROPP_NVME_PATH"
-
-
-def _nvme_path_from_env(name: str, value: Any) -> Any:
-    """``{"device": "nvme"}`` without ``nvme_path`` takes it from ``$ZEROPP_NVME_PATH``."""
-    import os
-
-    if name in ("offload_optimizer", "offload_param") and isinstance(value, Mapping):
-        if value.get("device") == "nvme" and not value.get("nvme_path"):
-            env = os.environ.get(NVME_PATH_ENV)
-            if not env:
-                raise ValueError(
-                    f"ZeroConfig.{name}.nvme_path=None is invalid: device='nvme' needs a directory for its swap "
-                    f"files. Fix: export {NVME_PATH_ENV}=/path/on/local/nvme, or pass "
-                    f"{name}={{'device': 'nvme', 'nvme_path': '/path/on/local/nvme'}}."
-                )
-            value = {**value, "nvme_path": env}
-    return value
 
 
 #: Fields that validate today but whose feature lands in a later release.
@@ -391,9 +369,7 @@ class ZeroPPStrategy(ParallelStrategy):
             simulated_nodes=self.config.simulated_nodes,
         )
         reset_seed()
-        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
-            self.root_device
-        )
+        self._process_group_backend = self._process_group_backend or self._default_backend()
         assert self.cluster_environment is not None
         kwargs: dict[str, Any] = {"timeout": self._timeout}
         if self.root_device.type != "cpu":
@@ -404,6 +380,16 @@ class ZeroPPStrategy(ParallelStrategy):
         self._ledger = CommLedger(self._topology)
         self.precision_plugin.bind(self.root_device.type, self._ledger, self._meshes.world.get_group())
         rank_zero_info(f"zeropp: stage {self.stage}, {self._topology.describe()}")
+
+    def _default_backend(self) -> str:
+        """NCCL for accelerator tensors; with offload, also gloo for the host tensors that
+        offloaded shards produce (full-format saves gather host-resident DTensors, clipping
+        reduces norms of host grads): c10d picks the backend by each tensor's device."""
+        backend = _get_default_process_group_backend_for_device(self.root_device)
+        offload = self.config.offload_optimizer.device != "none" or self.config.offload_param.device != "none"
+        if backend == "nccl" and offload:
+            return "cpu:gloo,cuda:nccl"
+        return backend
 
     def _check_offload_paths(self) -> None:
         """A missing or read-only nvme_path fails here, on every rank, before any collective."""

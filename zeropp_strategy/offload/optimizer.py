@@ -7,10 +7,10 @@ returned: LR schedulers and ``self.optimizers()`` keep acting on it) and never c
 over host tensors ("pieces") that mirror this rank's parameter shards, element for
 element: a stage 2/3 FSDP2 shard, a stage-1 row shard, or a whole parameter. Per step:
 
-1. each piece's value and gradient are copied device -> host (``non_blocking`` from
-   pinned memory, batch by batch, so batch i+1 is in flight while batch i steps); a
-   parameter that already lives on the host (CPU training, or ``offload_param="cpu"``)
-   is stepped in place, without a copy;
+1. each piece's value and gradient are copied device -> host (``non_blocking`` into
+   pinned memory, all issued before one synchronize; in NVMe mode batch by batch, while
+   the next batch's state is read from disk); a parameter that already lives on the host
+   (CPU training, or ``offload_param="cpu"``) is stepped in place, without a copy;
 2. the host optimizer steps the batch; hyper-parameters (lr, betas, weight decay...) are
    copied from the user's param groups first, so schedulers work as usual;
 3. the updated values are copied host -> device, non-blocking.
@@ -33,7 +33,7 @@ would compute those statistics per shard here, so it is refused with an error;
 
 NVMe (``device="nvme"``): each elementwise state key (``exp_avg``...) lives in its own
 swap file per dtype, as one flat array laid out parameter after parameter. The step walks
-that array in batches of ``batch_elems`` (a multiple of 1024 elements, so every batch
+that array in batches (a multiple of 4 KiB / element size elements, so every batch
 starts on a 4 KiB boundary; a parameter may span batches): read batch b's state into one
 of ``buffer_count`` host buffers while batch b-1 steps, write it back asynchronously.
 Host memory for optimizer state is therefore ``buffer_count x buffer_bytes`` whatever the
@@ -329,6 +329,8 @@ class OffloadOptimizer(WrappingOptimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = self._evaluate(closure)
         self._sync_hyper()
+        for stream in self._streams.values():  # checkpoint maps never outlive a step
+            stream.drop_maps()
         try:
             for stream in self._streams.values():
                 self._step_stream(stream)

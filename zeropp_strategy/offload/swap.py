@@ -42,7 +42,15 @@ def align_up(n: int, a: int = ALIGN) -> int:
 
 
 def aligned_buffer(nbytes: int, *, pin: bool) -> torch.Tensor:
-    """A uint8 CPU tensor of ``nbytes`` starting on an ``ALIGN`` boundary (pinned if asked)."""
+    """A uint8 CPU tensor of ``nbytes`` starting on an ``ALIGN`` boundary (pinned if asked).
+
+    Pinned blocks are page-aligned already; asking for ``nbytes + ALIGN`` there would make
+    PyTorch's pinned allocator (which rounds up to a power of two) take twice the memory.
+    """
+    if pin:
+        raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        if raw.data_ptr() % ALIGN == 0:
+            return raw
     raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
     skip = (-raw.data_ptr()) % ALIGN
     return raw[skip : skip + nbytes]
