@@ -302,6 +302,9 @@ PARITY = {  # name -> (stage, strategy kwargs, optimizer implementation)
     "s3_nvme": (3, {"offload_optimizer": "nvme"}, "forloop"),
     "s3_param_cpu": (3, {"offload_param": "cpu"}, "forloop"),
     "s3_param_cpu_opt_nvme": (3, {"offload_param": "cpu", "offload_optimizer": "nvme"}, "forloop"),
+    "s3_param_nvme": (3, {"offload_param": "nvme"}, "forloop"),
+    "s3_param_nvme_opt_cpu": (3, {"offload_param": "nvme", "offload_optimizer": "cpu"}, "forloop"),
+    "s3_param_nvme_opt_nvme": (3, {"offload_param": "nvme", "offload_optimizer": "nvme"}, "forloop"),
     "s3_cpu_fused": (3, {"offload_optimizer": "cpu"}, "default"),
 }
 
@@ -312,6 +315,8 @@ def _strategy(stage: int, kw: dict, tmp: str, **extra):
     kw = dict(kw)
     if kw.get("offload_optimizer") == "nvme":
         kw["offload_optimizer"] = {"device": "nvme", "nvme_path": tmp, "buffer_bytes": 16384, "buffer_count": 2}
+    if kw.get("offload_param") == "nvme":
+        kw["offload_param"] = {"device": "nvme", "nvme_path": tmp}
     return ZeroPPStrategy(stage=stage, **kw, **extra)
 
 
@@ -352,10 +357,15 @@ def _parity_worker(rank, world, tmp):
         if (stage, impl) not in refs:
             refs[(stage, impl)] = _full(_fit(_strategy(stage, {}, tmp), world, _module(impl)))
         t = _fit(_strategy(stage, kw, tmp), world, _module(impl))
+        store = t.strategy._param_store
+        resident_after = store.resident_bytes() if store else 0  # before _full reads every shard
         full = _full(t)
         ref = refs[(stage, impl)]
         stats = t.strategy.memory_stats()
+        store = t.strategy._param_store
         out[name] = {
+            "param_disk": store.disk_bytes() if store else 0,
+            "param_resident_after": resident_after,
             "model": _diff(ref[0], full[0]),
             "optim": _diff(ref[1]["state"], full[1]["state"]),
             "lr": full[1]["param_groups"][0]["lr"],
@@ -364,6 +374,40 @@ def _parity_worker(rank, world, tmp):
             "offloaded": (stats.offloaded_cpu_bytes, stats.offloaded_nvme_bytes),
         }
     return out
+
+
+def _residency_worker(rank, world, tmp):
+    """Sample the mapped parameter bytes at every block's forward and backward."""
+    from lightning.pytorch import Callback
+
+    import zeropp_strategy  # noqa: F401
+
+    samples: dict[str, list[int]] = {"forward": [], "backward": [], "batch_end": []}
+
+    class Sample(Callback):
+        def on_train_start(self, trainer, pl_module):
+            store = trainer.strategy._param_store
+            for block in pl_module.net.blocks:
+                block.register_forward_hook(lambda *a: samples["forward"].append(store.resident_bytes()))
+                block.register_full_backward_hook(lambda *a: samples["backward"].append(store.resident_bytes()))
+
+        def on_train_batch_end(self, trainer, *args):
+            samples["batch_end"].append(trainer.strategy._param_store.resident_bytes())
+
+    t = _fit(_strategy(3, {"offload_param": "nvme", "offload_optimizer": "cpu"}, tmp), world, _module("forloop"),
+             callbacks=[Sample()])
+    store = t.strategy._param_store
+    largest_group = max(sum(r.nbytes for r in regions) for regions in store._group_regions.values())
+    return {k: max(v) for k, v in samples.items()} | {"largest_group": largest_group, "disk": store.disk_bytes()}
+
+
+def test_nvme_parameters_are_mapped_only_while_gathered(tmp_path):
+    per_rank = run_ranks(_residency_worker, 2, (str(tmp_path),), timeout_s=300)
+    for r in per_rank:
+        page = 4096
+        assert r["batch_end"] == 0, r  # after the step every shard rests on disk
+        assert r["forward"] <= r["largest_group"] + page and r["backward"] <= r["largest_group"] + page, r
+        assert r["disk"] >= 3 * r["largest_group"], r
 
 
 def test_every_offload_mode_trains_like_no_offload(tmp_path):
@@ -377,6 +421,8 @@ def test_every_offload_mode_trains_like_no_offload(tmp_path):
                 assert r["device_optimizer_bytes"] == 0 and sum(r["offloaded"]) > 0, r
             if PARITY[name][1].get("offload_optimizer") == "nvme":
                 assert r["offloaded"][1] > 0, r
+            if PARITY[name][1].get("offload_param") == "nvme":
+                assert r["param_disk"] > 0 and r["param_resident_after"] == 0, r
     assert list(tmp_path.iterdir()) == []
 
 
@@ -386,6 +432,8 @@ RESUME = {  # name -> (stage, kwargs, state_dict_type)
     "s1_cpu_sharded": (1, {"offload_optimizer": "cpu"}, "sharded"),
     "s2_cpu_full": (2, {"offload_optimizer": "cpu"}, "full"),
     "s3_param_cpu_sharded": (3, {"offload_param": "cpu", "offload_optimizer": "cpu"}, "sharded"),
+    "s3_param_nvme_full": (3, {"offload_param": "nvme"}, "full"),
+    "s3_param_nvme_opt_nvme_sharded": (3, {"offload_param": "nvme", "offload_optimizer": "nvme"}, "sharded"),
 }
 
 

@@ -149,8 +149,6 @@ def _warn_unimplemented(config: ZeroConfig) -> None:
         for name, (what, default) in _PLANNED.items()
         if getattr(config, name) != default
     ]
-    if config.offload_param.device == "nvme":
-        asked.append("offload_param.device='nvme' (parameters stay in host memory, as with 'cpu')")
     if asked:
         warnings.warn(
             "ZeroConfig asks for features this version does not implement yet: "
@@ -248,6 +246,7 @@ class ZeroPPStrategy(ParallelStrategy):
         self._checkpointed = False
         self._sharded_path: Path | None = None
         self._fsdp_root: ShardedRoot | None = None  # stages 2/3, see [Note: why a separate root]
+        self._param_store: Any = None  # offload_param="nvme": offload.params.ParamStore
         _warn_unimplemented(self.config)
 
     # -- identity and sizes ---------------------------------------------------------------
@@ -393,10 +392,12 @@ class ZeroPPStrategy(ParallelStrategy):
 
     def _check_offload_paths(self) -> None:
         """A missing or read-only nvme_path fails here, on every rank, before any collective."""
-        if self.config.offload_optimizer.device == "nvme":
-            from zeropp_strategy.offload.swap import check_swap_root
+        from zeropp_strategy.offload.swap import check_swap_root
 
-            check_swap_root(self.config.offload_optimizer.nvme_path, "offload_optimizer")
+        for name in ("offload_optimizer", "offload_param"):
+            block = getattr(self.config, name)
+            if block.device == "nvme":
+                check_swap_root(block.nvme_path, name)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -444,6 +445,8 @@ class ZeroPPStrategy(ParallelStrategy):
                     all_gather=all_gather,
                     reduce_scatter=reduce_scatter,
                 )
+                if self.config.offload_param.device == "nvme":
+                    self._param_store = self._agree("mapping parameter shards to NVMe", self._map_params_to_nvme)
             self.model_to_device()
             if fitting:
                 self.setup_optimizers(trainer)
@@ -545,21 +548,42 @@ class ZeroPPStrategy(ParallelStrategy):
             ]
         if self.config.offload_optimizer.device != "none":
             self.optimizers = self._agree("building the offloaded optimizers", self._offload_optimizers)
+        elif self._param_store is not None:
+            # The user's optimizer steps the mapped shards in place; drop their pages after.
+            store = self._param_store
+            for opt in self.optimizers:
+                params = [p for g in opt.param_groups for p in g["params"]]
+                opt.register_step_post_hook(lambda *_, params=params: store.release(params))
+
+    def _map_params_to_nvme(self) -> Any:
+        from zeropp_strategy.offload.params import ParamStore
+
+        assert self._fsdp_root is not None
+        return ParamStore(self._fsdp_root, self.config.offload_param, rank=self.global_rank)
 
     def _offload_optimizers(self) -> list[Optimizer]:
         from zeropp_strategy.offload import OffloadOptimizer
+
+        store = self._param_store
+        release = store.release if store is not None else None
+        prefetch = store.prefetch_params if store is not None else None
+
+        def offload(opt: Optimizer) -> OffloadOptimizer:
+            return OffloadOptimizer(
+                opt, self.config.offload_optimizer, rank=self.global_rank, on_stepped=release, on_prefetch=prefetch
+            )
 
         wrapped: list[Optimizer] = []
         try:
             for opt in self.optimizers:
                 if isinstance(opt, ShardedOptimizer):  # stage 1: offload what the shard view steps
                     if not isinstance(opt.optimizer, OffloadOptimizer):
-                        opt.optimizer = OffloadOptimizer(opt.optimizer, self.config.offload_optimizer, rank=self.global_rank)
+                        opt.optimizer = offload(opt.optimizer)
                     wrapped.append(opt)
                 elif isinstance(opt, OffloadOptimizer):
                     wrapped.append(opt)
                 else:
-                    wrapped.append(OffloadOptimizer(opt, self.config.offload_optimizer, rank=self.global_rank))
+                    wrapped.append(offload(opt))
         except BaseException:
             for opt in wrapped:
                 _close_offload(opt)

@@ -158,12 +158,14 @@ def shard_module(
 
 
 def offload_policy(config: ZeroConfig) -> OffloadPolicy:
-    """``offload_param="cpu"``: FSDP2 keeps sharded parameters (and their grads) in host
+    """``offload_param="cpu"`` (and ``"nvme"``, see [Note: parameters on NVMe]): FSDP2 keeps sharded parameters (and their grads) in host
     memory and copies each group to the device ahead of its all-gather (FSDP2 issues the
     next group's copy-in and gather while the current group computes). Pinned only when
     CUDA exists: pinning needs a CUDA context."""
-    if config.offload_param.device in ("cpu", "nvme"):  # nvme: not built yet, rests in host memory (warned)
+    if config.offload_param.device == "cpu":
         return CPUOffloadPolicy(pin_memory=config.offload_param.pin_memory and torch.cuda.is_available())
+    if config.offload_param.device == "nvme":  # host shards first; offload.params maps them to NVMe
+        return CPUOffloadPolicy(pin_memory=False)  # pinning would copy them out of the mapping
     return OffloadPolicy()
 
 

@@ -154,6 +154,10 @@ class OffloadOptimizer(WrappingOptimizer):
         rank: this process's global rank (names its swap directory).
         io_threads: NVMe: parallel read/write requests in flight.
         direct_io: NVMe: open swap files ``O_DIRECT`` where the filesystem allows it.
+        on_stepped: called with the parameters of each batch once they are updated (NVMe
+            parameter offload drops their pages then, see ``offload.params``).
+        on_prefetch: called with the parameters of a batch before it steps, as early as
+            its state read starts (NVMe parameter offload starts reading them then).
     """
 
     def __init__(
@@ -165,6 +169,8 @@ class OffloadOptimizer(WrappingOptimizer):
         io_threads: int = 4,
         io_block_bytes: int = 8 * 2**20,
         direct_io: bool = True,
+        on_stepped: Callable[[list[Tensor]], None] | None = None,
+        on_prefetch: Callable[[list[Tensor]], None] | None = None,
     ) -> None:
         # No Optimizer.__init__: param_groups are the user's (see the property below).
         if config.device not in ("cpu", "nvme"):
@@ -178,6 +184,8 @@ class OffloadOptimizer(WrappingOptimizer):
             )
         self.optimizer = optimizer
         self.config = config
+        self._on_stepped = on_stepped
+        self._on_prefetch = on_prefetch
         self.nvme = config.device == "nvme"
         self._pin = bool(config.pin_memory and torch.cuda.is_available())
         defaults = dict(optimizer.defaults)
@@ -383,8 +391,12 @@ class OffloadOptimizer(WrappingOptimizer):
             if not pc.aliased:
                 _local(pc.param).detach().view(-1)[pc.start : pc.stop].copy_(pc.host, non_blocking=True)
             pc.host.grad = None
+        if self._on_stepped is not None:
+            self._on_stepped(list({id(pc.param): pc.param for pc in active}.values()))
 
     def _step_pieces(self, pieces: list[_Piece]) -> None:
+        if self._on_prefetch is not None:
+            self._on_prefetch([pc.param for pc in pieces])
         active = self._bind(pieces)
         if active:
             self._run_host_step(active)
@@ -419,6 +431,8 @@ class OffloadOptimizer(WrappingOptimizer):
             slot = b % slots
             wait(writes.pop(slot, []))  # the buffer is free once its last batch is on disk
             batch = stream.batches[b]
+            if self._on_prefetch is not None:
+                self._on_prefetch(list({id(pc.param): pc.param for pc in batch.pieces}.values()))
             if any(pc.initialized for pc in batch.pieces):
                 reads[b] = self._io(stream, stream.buffers[slot], batch, write=False)
             else:
