@@ -513,3 +513,29 @@ def test_nvme_path_defaults_to_the_environment(monkeypatch, tmp_path):
     monkeypatch.delenv("ZEROPP_NVME_PATH")
     with pytest.raises(ValueError, match=r"nvme_path=None.*ZEROPP_NVME_PATH"):
         OffloadConfig(device="nvme")
+
+
+def _preset_worker(rank, world, tmp):
+    os.environ["ZEROPP_NVME_PATH"] = tmp
+    import zeropp_strategy  # noqa: F401
+
+    ref = _full(_fit("zeropp", world, _module("default")))
+    out = {}
+    for name in ("zeropp_offload", "zeropp_offload_nvme"):
+        t = _fit(name, world, _module("default"))
+        cfg = t.strategy.config
+        out[name] = {
+            "model": _diff(ref[0], _full(t)[0]),
+            "devices": (cfg.offload_optimizer.device, cfg.offload_param.device),
+            "param_store": t.strategy._param_store is not None,
+        }
+    return out
+
+
+def test_offload_presets_train_like_zeropp(tmp_path):
+    per_rank = run_ranks(_preset_worker, 2, (str(tmp_path),), timeout_s=300)
+    for out in per_rank:
+        assert out["zeropp_offload"]["devices"] == ("cpu", "cpu") and not out["zeropp_offload"]["param_store"]
+        assert out["zeropp_offload_nvme"]["devices"] == ("nvme", "nvme") and out["zeropp_offload_nvme"]["param_store"]
+        for name, r in out.items():
+            assert r["model"] <= TOL_FUSED, (name, r)

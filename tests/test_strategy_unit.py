@@ -25,8 +25,7 @@ def test_registry_names_resolve_in_lightning(name, tmp_path, monkeypatch):
     assert trainer.strategy.stage == PRESETS[name]["stage"]
     if name.startswith("zeropp_offload"):
         cfg = trainer.strategy.config
-        assert cfg.offload_param.device == "cpu"
-        assert cfg.offload_optimizer.device == ("nvme" if name.endswith("nvme") else "cpu")
+        assert cfg.offload_param.device == cfg.offload_optimizer.device == ("nvme" if name.endswith("nvme") else "cpu")
         assert cfg.offload_optimizer.nvme_path == (str(tmp_path) if name.endswith("nvme") else None)
 
 

@@ -100,16 +100,16 @@ _TENSORS = "__zeropp_tensors__"  # optimizer_state() -> save_checkpoint hand-off
 PRESETS: dict[str, dict[str, Any]] = {
     # hpz_partition_size=0: ranks per node, resolved at setup.
     "zeropp": {"stage": 3, "quantized_weights": True, "hpz_partition_size": 0, "quantized_gradients": True},
-    # Offload presets: ZeRO++ with the optimizer step on the host (ZeRO-Offload), and
-    # parameters resting in host memory; the nvme one swaps optimizer state to
-    # offload_optimizer.nvme_path (default: $ZEROPP_NVME_PATH).
+    # Offload presets: ZeRO++ with the optimizer step on the host (ZeRO-Offload) and
+    # parameter shards resting in host memory; the nvme one keeps optimizer state and
+    # parameter shards on NVMe (ZeRO-Infinity), under $ZEROPP_NVME_PATH.
     "zeropp_offload": {
         "stage": 3, "quantized_weights": True, "hpz_partition_size": 0, "quantized_gradients": True,
         "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"},
     },
     "zeropp_offload_nvme": {
         "stage": 3, "quantized_weights": True, "hpz_partition_size": 0, "quantized_gradients": True,
-        "offload_optimizer": {"device": "nvme"}, "offload_param": {"device": "cpu"},
+        "offload_optimizer": {"device": "nvme"}, "offload_param": {"device": "nvme"},
     },
     "zeropp_stage_1": {"stage": 1},
     "zeropp_stage_2": {"stage": 2},
