@@ -270,11 +270,13 @@ class OffloadOptimizer(WrappingOptimizer):
         needed = 0
         for dtype, entries in by_dtype.items():
             esize = torch.empty((), dtype=dtype).element_size()
-            # One buffer holds a batch's state (k keys) plus, for device params, value and grad.
-            per_elem = esize * (k + 2)
+            # One buffer holds a batch's state (k keys) plus, when some parameter lives on an
+            # accelerator, staging for its values and grads (host-resident ones are stepped in place).
+            staging = 2 if any(_local(p).device.type != "cpu" for _, _, p in entries) else 0
+            per_elem = esize * (k + staging)
             batch = max(ALIGN // esize, (cfg.buffer_bytes // per_elem) // (ALIGN // esize) * (ALIGN // esize))
             total = sum(_local(p).numel() for _, _, p in entries)
-            stream = _Stream(dtype, esize, batch, total)
+            stream = _Stream(dtype, esize, batch, total, staging)
             offset = 0
             for index, gi, p in entries:
                 n = _local(p).numel()
@@ -299,7 +301,7 @@ class OffloadOptimizer(WrappingOptimizer):
                 for key in self._elementwise
             }
             stream.buffers = [
-                aligned_buffer(stream.batch * stream.esize * (len(self._elementwise) + 2), pin=self._pin)
+                aligned_buffer(stream.batch * stream.esize * (len(self._elementwise) + stream.staging), pin=self._pin)
                 for _ in range(cfg.buffer_count)
             ]
         log.info("zeropp: optimizer state swaps to %s (%d bytes on disk)", self._swap_dir.path, needed)
@@ -403,12 +405,16 @@ class OffloadOptimizer(WrappingOptimizer):
 
     # -- NVMe pipeline ------------------------------------------------------------------------
 
-    def _regions(self, stream: _Stream, buf: Tensor, batch: _Batch) -> tuple[dict[str, Tensor], Tensor, Tensor]:
+    def _regions(
+        self, stream: _Stream, buf: Tensor, batch: _Batch
+    ) -> tuple[dict[str, Tensor], Tensor | None, Tensor | None]:
         """Typed views of one buffer: each state key's batch, then values and grads staging."""
         n = stream.batch
         typed = buf.view(stream.dtype)
         keys = {key: typed[i * n : i * n + (batch.stop - batch.start)] for i, key in enumerate(self._elementwise)}
         k = len(self._elementwise)
+        if not stream.staging:
+            return keys, None, None
         return keys, typed[k * n : (k + 1) * n], typed[(k + 1) * n : (k + 2) * n]
 
     def _io(self, stream: _Stream, buf: Tensor, batch: _Batch, write: bool) -> list[Future]:
@@ -429,7 +435,8 @@ class OffloadOptimizer(WrappingOptimizer):
 
         def start_read(b: int) -> None:
             slot = b % slots
-            wait(writes.pop(slot, []))  # the buffer is free once its last batch is on disk
+            wait(writes.get(slot, []))  # the buffer is free once its last batch is on disk
+            writes.pop(slot, None)  # (only once all its requests are done: see finally below)
             batch = stream.batches[b]
             if self._on_prefetch is not None:
                 self._on_prefetch(list({id(pc.param): pc.param for pc in batch.pieces}.values()))
@@ -446,7 +453,8 @@ class OffloadOptimizer(WrappingOptimizer):
                 buf = stream.buffers[b % slots]
                 keys, values, grads = self._regions(stream, buf, batch)
                 active = self._bind(batch.pieces, values, grads)
-                wait(reads.pop(b))
+                wait(reads[b])
+                del reads[b]
                 for pc in active:
                     lo = pc.offset - batch.start
                     state = self.host_optimizer.state[pc.host]
@@ -474,8 +482,9 @@ class OffloadOptimizer(WrappingOptimizer):
                     writes[b % slots] = self._io(stream, buf, batch, write=True)
                 if b + slots - 1 < nb:  # after the step: write-back of batch b-1 had a step's time
                     start_read(b + slots - 1)
-            for futures in list(writes.values()):
-                wait(futures)
+            for slot in list(writes):
+                wait(writes[slot])
+                del writes[slot]
         finally:  # on error, let in-flight requests finish before buffers can be reused
             for futures in [*reads.values(), *writes.values()]:
                 for f in futures:
@@ -641,8 +650,9 @@ def _release(streams: dict[torch.dtype, _Stream], pool: ThreadPoolExecutor | Non
 class _Stream:
     """NVMe: all parameters of one dtype, as one flat array per state key."""
 
-    def __init__(self, dtype: torch.dtype, esize: int, batch: int, total: int) -> None:
+    def __init__(self, dtype: torch.dtype, esize: int, batch: int, total: int, staging: int) -> None:
         self.dtype = dtype
+        self.staging = staging  # 2: buffers also stage values and grads of accelerator params
         self.esize = esize
         self.batch = batch
         self.total = total

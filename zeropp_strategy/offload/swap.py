@@ -8,8 +8,9 @@ with ``os.preadv`` / ``os.pwritev`` (both release the GIL, so requests run in pa
 and the disk sees a queue depth of ``io_threads``). With ``direct=True`` the file is
 opened ``O_DIRECT`` (no page cache: host memory stays what the buffers take, and the
 disk, not the cache, is measured); offsets and lengths are then multiples of
-``ALIGN`` and buffers start on an ``ALIGN`` boundary. Filesystems that refuse
-``O_DIRECT`` (tmpfs, some network filesystems) fall back to buffered I/O.
+``ALIGN`` and buffers start on an ``ALIGN`` boundary. A filesystem that refuses
+``O_DIRECT`` at open or at the first aligned read/write (tmpfs before Linux 6.6, some
+FUSE and network filesystems) gets buffered I/O instead.
 
 Swap directories are created per run and per rank with mode 0700 under the user's
 ``nvme_path`` and removed when the optimizer is closed, at interpreter exit, and on the
@@ -151,6 +152,11 @@ class SwapFile:
                 if e.errno != errno.EINVAL:
                     raise
                 log.info("zeropp: %s refuses O_DIRECT; using buffered I/O", path.parent)
+        if fd >= 0 and not self._direct_works(fd):
+            os.close(fd)
+            path.unlink()
+            fd, self.direct = -1, False
+            log.info("zeropp: %s accepts O_DIRECT at open but not for I/O; using buffered I/O", path.parent)
         if fd < 0:
             fd = os.open(path, flags, 0o600)
         self.fd = fd
@@ -168,6 +174,18 @@ class SwapFile:
             if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                 raise
             os.ftruncate(fd, self.nbytes)
+
+    @staticmethod
+    def _direct_works(fd: int) -> bool:
+        probe = aligned_buffer(ALIGN, pin=False)
+        try:
+            os.pwritev(fd, [memoryview(probe.numpy())], 0)
+            os.preadv(fd, [memoryview(probe.numpy())], 0)
+        except OSError as e:
+            if e.errno == errno.EINVAL:
+                return False
+            raise
+        return True
 
     def _io(self, write: bool, buf: torch.Tensor, offset: int) -> list[Future]:
         """Split [offset, offset + len(buf)) into blocks, one pool task each."""
