@@ -86,9 +86,7 @@ def clip_grad_norm(
     """Clip by the global norm over every rank's shard; returns the total norm.
 
     Stage 1 gradients are replicated, so the norm is computed locally exactly as DDP
-    computes it. Stage 2/3: |g|^p summed over the local shards of DTensor gradients and
-    all-reduced, plus (once, not N times) the replicated gradients FSDP2 leaves whole.
-    Bytes sent per rank: one fp32 scalar all-reduce at stage 2/3, none at stage 1.
+    computes it. Stage 2/3: see ``clip_grad_norm_params``.
     """
     inner = getattr(optimizer, "_optimizer", optimizer)
     if isinstance(inner, ShardedOptimizer) or not _is_sharded(optimizer):
@@ -96,7 +94,25 @@ def clip_grad_norm(
             p for g in inner.param_groups for p in g["params"]
         ]
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
-    grads = [p.grad for g in inner.param_groups for p in g["params"] if p.grad is not None]
+    params = [p for g in inner.param_groups for p in g["params"]]
+    return clip_grad_norm_params(params, max_norm, group=group, norm_type=norm_type, ledger=ledger)
+
+
+@torch.no_grad()
+def clip_grad_norm_params(
+    params: Iterable[Tensor], max_norm: float, *, group: Any = None, norm_type: float = 2.0, ledger: Any = None
+) -> Tensor:
+    """Clip ``params``' grads by their global norm, whether sharded (DTensor) or not.
+
+    |g|^p summed over the local shards of DTensor gradients and all-reduced, plus (once,
+    not N times) the replicated gradients FSDP2 leaves whole. Bytes sent per rank: one
+    fp32 scalar all-reduce when any gradient is sharded, none otherwise (then this is
+    ``torch.nn.utils.clip_grad_norm_``).
+    """
+    params = list(params)
+    grads = [p.grad for p in params if p.grad is not None]
+    if not any(isinstance(g, DTensor) for g in grads):
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
     sharded = [g.to_local() for g in grads if isinstance(g, DTensor)]
     replicated = [g for g in grads if not isinstance(g, DTensor)]
     device = grads[0].device if grads else torch.device("cpu")
@@ -191,11 +207,12 @@ class ZeroPPPrecision(Precision):
     def is_mixed(self) -> bool:
         return self.precision.endswith("-mixed")
 
-    def mp_policy(self) -> Any:
-        """FSDP2 mixed-precision policy for stage 2/3 (16-bit gathers, fp32 reduce)."""
+    def mp_policy(self, gather_16bit: bool = True) -> Any:
+        """FSDP2 mixed-precision policy for stage 2/3: 16-bit gathers (unless ``gather_16bit`` is
+        False: fp32 gathers, autocast alone lowers the compute), fp32 reduce."""
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        if self.is_mixed:
+        if self.is_mixed and gather_16bit:
             return MixedPrecisionPolicy(param_dtype=self.half_dtype, reduce_dtype=torch.float32)
         return MixedPrecisionPolicy()
 

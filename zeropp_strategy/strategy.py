@@ -20,7 +20,6 @@ Lifecycle (what happens where, and why there):
 
 from __future__ import annotations
 
-import atexit
 import logging
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
@@ -29,42 +28,31 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.overrides.distributed import _sync_module_states, prepare_for_backward
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.ddp import _DDPForwardRedirection
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
-from lightning.pytorch.strategies.strategy import TBroadcast, _ForwardRedirection
+from lightning.pytorch.strategies.strategy import _ForwardRedirection
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from zeropp_strategy.comm.collectives import LedgerHookState, ledger_allreduce_hook
+from zeropp_strategy._process import ProcessMixin
 from zeropp_strategy.comm.ledger import CommLedger, Phase
 from zeropp_strategy.config import ZeroConfig
-from zeropp_strategy.comm.collectives import all_reduce
-from zeropp_strategy.comm.ledger import CommKind
-from zeropp_strategy.engine.fsdp import ShardedRoot, fsdp_modules, materialize, replicated_params, shard_module
+from zeropp_strategy.engine.core import ZeroEngine
+from zeropp_strategy.engine.fsdp import ShardedRoot, fsdp_modules, materialize
 from zeropp_strategy.engine.wrap import apply_activation_checkpointing, select_blocks
 from zeropp_strategy.engine.memory import MemoryStats, memory_stats
-from zeropp_strategy.engine.stage1 import ShardedOptimizer
 from zeropp_strategy.checkpoint.atomic import (
     META_FILE,
     atomic_torch_save,
@@ -134,69 +122,7 @@ def _resolve_config(config: ZeroConfig | Mapping[str, Any] | str | Path | None, 
     return base.replace(**overrides) if overrides else base
 
 
-#: Fields that validate today but whose feature lands in a later release.
-_PLANNED: dict[str, tuple[str, Any]] = {}
-
-
-def _warn_unimplemented(config: ZeroConfig) -> None:
-    """Say so, loudly and once, when a config asks for a feature not built yet."""
-    import warnings
-
-    from zeropp_strategy.config import ZeroConfigWarning
-
-    asked = [
-        f"{name}={getattr(config, name)!r} ({what})"
-        for name, (what, default) in _PLANNED.items()
-        if getattr(config, name) != default
-    ]
-    if asked:
-        warnings.warn(
-            "ZeroConfig asks for features this version does not implement yet: "
-            + "; ".join(asked)
-            + ". Training runs without them. Fix: remove these settings to silence this warning, or upgrade "
-            "when they land.",
-            ZeroConfigWarning,
-            stacklevel=3,
-        )
-
-
-_EXIT_HOOK_INSTALLED = False
-
-
-def _close_offload(optimizer: Any) -> None:
-    from zeropp_strategy.offload import OffloadOptimizer
-
-    inner = getattr(optimizer, "_optimizer", optimizer)
-    inner = inner.optimizer if isinstance(inner, ShardedOptimizer) else inner
-    if isinstance(inner, OffloadOptimizer):
-        inner.close()
-
-
-def _destroy_process_groups_at_exit() -> None:
-    """Destroy the process groups when the interpreter exits, once per process.
-
-    A gloo process group still alive when the interpreter tears down can abort the process
-    ("terminate called without an active exception") after training finished, which torchrun
-    then reports as a failed job; seen on one rank in about one run in ten with qgZ's
-    intra/inter-node subgroups. Destroying them first, while Python is still whole, joins
-    gloo's threads cleanly. Local only (no collective): by exit every collective is done.
-    """
-    global _EXIT_HOOK_INSTALLED
-    if _EXIT_HOOK_INSTALLED:
-        return
-    _EXIT_HOOK_INSTALLED = True
-
-    def destroy() -> None:
-        if dist.is_available() and dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - best effort at exit; never mask the real exit status
-                pass
-
-    atexit.register(destroy)
-
-
-class ZeroPPStrategy(ParallelStrategy):
+class ZeroPPStrategy(ProcessMixin, ParallelStrategy):
     """ZeRO data parallelism: stage 1 (sharded optimizer state), 2 (+ sharded gradients),
     3 (+ sharded parameters), with ZeRO++ collectives and offload as configured.
 
@@ -246,8 +172,7 @@ class ZeroPPStrategy(ParallelStrategy):
         self._checkpointed = False
         self._sharded_path: Path | None = None
         self._fsdp_root: ShardedRoot | None = None  # stages 2/3, see [Note: why a separate root]
-        self._param_store: Any = None  # offload_param="nvme": offload.params.ParamStore
-        _warn_unimplemented(self.config)
+        self._engine: ZeroEngine | None = None  # set in setup_environment
 
     # -- identity and sizes ---------------------------------------------------------------
 
@@ -260,31 +185,6 @@ class ZeroPPStrategy(ParallelStrategy):
         # Lightning injects a DistributedSampler (and reduces sync_dist logs) only for
         # strategies it knows or that say so here.
         return True
-
-    @property
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
-    @property
-    def process_group_backend(self) -> str | None:
-        return self._process_group_backend
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -356,54 +256,18 @@ class ZeroPPStrategy(ParallelStrategy):
 
     def setup_environment(self) -> None:
         super().setup_environment()
-        self.set_world_ranks()
-        # Job-size checks run on every rank BEFORE the first collective (a one-rank
-        # error inside a collective would hang the others).
-        self.config.validate_for_world(self.world_size, self.num_processes)
-        self._check_offload_paths()
-        self._topology = Topology.detect(
-            self.world_size,
-            self.global_rank,
+        self._connect()
+        self._engine = ZeroEngine.start(
+            self.config,
+            rank=self.global_rank,
+            world_size=self.world_size,
             ranks_per_node=self.num_processes,
-            simulated_nodes=self.config.simulated_nodes,
+            device=self.root_device,
+            precision=self.precision_plugin,
+            info=rank_zero_info,
         )
-        reset_seed()
-        self._process_group_backend = self._process_group_backend or self._default_backend()
-        assert self.cluster_environment is not None
-        kwargs: dict[str, Any] = {"timeout": self._timeout}
-        if self.root_device.type != "cpu":
-            kwargs["device_id"] = self.root_device
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
-        _destroy_process_groups_at_exit()
-        self._meshes = self._topology.build_meshes(self.root_device.type)
-        self._ledger = CommLedger(self._topology)
-        self.precision_plugin.bind(self.root_device.type, self._ledger, self._meshes.world.get_group())
+        self._topology, self._meshes, self._ledger = self._engine.topology, self._engine.meshes, self._engine.ledger
         rank_zero_info(f"zeropp: stage {self.stage}, {self._topology.describe()}")
-
-    def _default_backend(self) -> str:
-        """NCCL for accelerator tensors; with offload, also gloo for the host tensors that
-        offloaded shards produce (full-format saves gather host-resident DTensors, clipping
-        reduces norms of host grads): c10d picks the backend by each tensor's device."""
-        backend = _get_default_process_group_backend_for_device(self.root_device)
-        offload = self.config.offload_optimizer.device != "none" or self.config.offload_param.device != "none"
-        if backend == "nccl" and offload:
-            return "cpu:gloo,cuda:nccl"
-        return backend
-
-    def _check_offload_paths(self) -> None:
-        """A missing or read-only nvme_path fails here, on every rank, before any collective."""
-        from zeropp_strategy.offload.swap import check_swap_root
-
-        for name in ("offload_optimizer", "offload_param"):
-            block = getattr(self.config, name)
-            if block.device == "nvme":
-                check_swap_root(block.nvme_path, name)
-
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 
     # -- model and optimizers -------------------------------------------------------------
 
@@ -424,7 +288,7 @@ class ZeroPPStrategy(ParallelStrategy):
                 apply_activation_checkpointing(blocks)
                 self._checkpointed = True
             if fitting:
-                self.model = self._wrap_ddp(self.model)
+                self.model = self.engine.wrap_ddp(self.model)
                 self.setup_optimizers(trainer)
             else:
                 _sync_module_states(self.model)
@@ -433,20 +297,7 @@ class ZeroPPStrategy(ParallelStrategy):
                 self.model = self.precision_plugin.convert_module(self.model)
                 # See [Note: why a separate root]: FSDP2's root owns the LightningModule.
                 self._fsdp_root = ShardedRoot(self.model)
-                all_gather, reduce_scatter = self._zeropp_comms()
-                shard_module(
-                    self._fsdp_root,
-                    self.config,
-                    mesh=self.meshes.world,
-                    ledger=self.comm_ledger,
-                    mp_policy=self.precision_plugin.mp_policy(),
-                    device=self.root_device,
-                    reshard_after_forward=self._reshard_after_forward(),
-                    all_gather=all_gather,
-                    reduce_scatter=reduce_scatter,
-                )
-                if self.config.offload_param.device == "nvme":
-                    self._param_store = self._agree("mapping parameter shards to NVMe", self._map_params_to_nvme)
+                self.engine.shard(self._fsdp_root)
             self.model_to_device()
             if fitting:
                 self.setup_optimizers(trainer)
@@ -455,176 +306,31 @@ class ZeroPPStrategy(ParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
 
     @property
+    def engine(self) -> ZeroEngine:
+        if self._engine is None:
+            raise RuntimeError("ZeroPPStrategy.engine is available once the Trainer has set up processes.")
+        return self._engine
+
+    @property
     def hpz_partition_size(self) -> int:
         """Effective hpZ group size: 1 when off or when it cannot help (one group = all ranks)."""
-        size = self.config.hpz_partition_size or self.topology.ranks_per_node
-        return size if self.stage == 3 and 1 < size < self.world_size else 1
+        return self.engine.hpz_partition_size
 
-    def _reshard_after_forward(self) -> bool | int:
-        """Stage 2 keeps gathered params through backward; stage 3 frees them, or with hpZ
-        keeps an intra-node secondary shard (FSDP2's integer reshard_after_forward)."""
-        if self.stage == 2:
-            return False
-        if self.config.hpz_partition_size != 1 and self.hpz_partition_size == 1:
-            rank_zero_info(
-                f"zeropp: hpZ needs more than one group of ranks; all {self.world_size} ranks form one "
-                "(a single node), so backward gathers use the plain stage-3 path."
-            )
-        return self.hpz_partition_size if self.hpz_partition_size > 1 else True
-
-    def _zeropp_comms(self) -> tuple[Any, Any]:
-        """Factories for qwZ / qgZ comm objects (None: the plain ledger collectives)."""
-        from zeropp_strategy.comm.zeropp import HierarchicalQuantReduceScatter, QuantizedAllGather
-
-        cfg, topo = self.config, self.topology
-        all_gather: Any = None
-        reduce_scatter: Any = None
-        if cfg.quantized_weights:
-            if topo.num_nodes == 1:
-                rank_zero_info("zeropp: qwZ quantizes only cross-node gathers; on one node they stay 16/32-bit.")
-
-            def quantized_gather() -> QuantizedAllGather:
-                return QuantizedAllGather(
-                    self.comm_ledger, topo, block_elems=cfg.weight_quant_block_elems, min_elems=cfg.quantize_min_elems
-                )
-
-            all_gather = quantized_gather
-
-        if cfg.quantized_gradients:
-            if topo.num_nodes == 1 and not cfg.quantized_gradients_on_single_node:
-                rank_zero_info(
-                    "zeropp: qgZ falls back to the plain reduce-scatter on a single node "
-                    "(set quantized_gradients_on_single_node=True to quantize anyway)."
-                )
-
-            def quantized_reduce_scatter() -> HierarchicalQuantReduceScatter:
-                return HierarchicalQuantReduceScatter(
-                    self.comm_ledger,
-                    topo,
-                    intra_group=self.meshes.intra_group,
-                    inter_group=self.meshes.inter_group,
-                    bits=cfg.gradient_quant_bits,
-                    block_elems=cfg.gradient_quant_block_elems,
-                    min_elems=cfg.quantize_min_elems,
-                    on_single_node=cfg.quantized_gradients_on_single_node,
-                )
-
-            reduce_scatter = quantized_reduce_scatter
-
-        return all_gather, reduce_scatter
-
-    def _wrap_ddp(self, module: Module) -> DistributedDataParallel:
-        device_ids = None if self.root_device.type == "cpu" else [self.root_device.index]
-        # gradient_as_bucket_view: grads live in DDP's buckets instead of beside them
-        # (saves g*P bytes per rank); ShardedOptimizer's shard grads are views of those.
-        ddp = DistributedDataParallel(
-            module,
-            device_ids=device_ids,
-            bucket_cap_mb=self.config.reduce_bucket_bytes / 2**20,
-            process_group=self.meshes.world.get_group(),
-            gradient_as_bucket_view=True,
-        )
-        # DDP broadcast rank 0's parameters and buffers at construction: book it.
-        state_bytes = sum(t.numel() * t.element_size() for t in module.state_dict().values())
-        self.comm_ledger.record_broadcast(CommKind.OTHER, state_bytes, 0, list(range(self.world_size)))
-        ddp.register_comm_hook(LedgerHookState(self.comm_ledger, self.meshes.world.get_group()), ledger_allreduce_hook)
-        return ddp
+    @property
+    def _param_store(self) -> Any:
+        """offload_param="nvme": the ParamStore of the sharded module (None otherwise)."""
+        stores = self._engine.param_stores if self._engine is not None else []
+        return stores[-1] if stores else None
 
     def setup_optimizers(self, trainer: Any) -> None:
         # Re-entering setup (fit after fit) must build optimizers over the current params.
         self._reset_optimizers_and_schedulers()
         super().setup_optimizers(trainer)
-        if self.stage == 1:
-            self.optimizers = [
-                opt
-                if isinstance(opt, ShardedOptimizer)
-                else ShardedOptimizer(
-                    opt,
-                    self.meshes.world,
-                    self.comm_ledger,
-                    allgather_bucket_bytes=self.config.allgather_bucket_bytes,
-                )
-                for opt in self.optimizers
-            ]
-        if self.config.offload_optimizer.device != "none":
-            self.optimizers = self._agree("building the offloaded optimizers", self._offload_optimizers)
-        elif self._param_store is not None:
-            # The user's optimizer steps the mapped shards in place; drop their pages after.
-            store = self._param_store
-            for opt in self.optimizers:
-                params = [p for g in opt.param_groups for p in g["params"]]
-                opt.register_step_post_hook(lambda *_, params=params: store.release(params))
-
-    def _map_params_to_nvme(self) -> Any:
-        from zeropp_strategy.offload.params import ParamStore
-
-        assert self._fsdp_root is not None
-        return ParamStore(self._fsdp_root, self.config.offload_param, rank=self.global_rank)
-
-    def _offload_optimizers(self) -> list[Optimizer]:
-        from zeropp_strategy.offload import OffloadOptimizer
-
-        store = self._param_store
-        release = store.release if store is not None else None
-        prefetch = store.prefetch_params if store is not None else None
-
-        def offload(opt: Optimizer) -> OffloadOptimizer:
-            return OffloadOptimizer(
-                opt, self.config.offload_optimizer, rank=self.global_rank, on_stepped=release, on_prefetch=prefetch
-            )
-
-        wrapped: list[Optimizer] = []
-        try:
-            for opt in self.optimizers:
-                if isinstance(opt, ShardedOptimizer):  # stage 1: offload what the shard view steps
-                    if not isinstance(opt.optimizer, OffloadOptimizer):
-                        opt.optimizer = offload(opt.optimizer)
-                    wrapped.append(opt)
-                elif isinstance(opt, OffloadOptimizer):
-                    wrapped.append(opt)
-                else:
-                    wrapped.append(offload(opt))
-        except BaseException:
-            for opt in wrapped:
-                _close_offload(opt)
-            raise
-        return wrapped
-
-    def _agree(self, what: str, fn: Any) -> Any:
-        """Run a rank-local step that may fail (a full disk) so that all ranks fail together.
-
-        Every rank runs ``fn``, then one all-reduce says whether any failed: the failing
-        rank raises its own error, the others an error naming it, instead of waiting in
-        the next collective until the timeout.
-        """
-        error: BaseException | None = None
-        result = None
-        try:
-            result = fn()
-        except Exception as e:  # noqa: BLE001 - re-raised below, after the others know
-            error = e
-        flag = torch.tensor([self.global_rank if error is not None else -1], dtype=torch.int64)
-        if self.root_device.type != "cpu" and dist.get_backend() == "nccl":
-            flag = flag.to(self.root_device)
-        if _distributed_is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if error is not None:
-            raise error
-        failed = int(flag.item())
-        if failed >= 0:
-            raise RuntimeError(f"zeropp: {what} failed on rank {failed} (its error is in its log); stopping this rank too.")
-        return result
+        self.optimizers = [self.engine.wrap_optimizer(opt) for opt in self.optimizers]
 
     def model_to_device(self) -> None:
         assert self.model is not None
-        if self.stage == 3 and self.config.offload_param.device != "none":
-            # FSDP2 keeps the sharded parameters in host memory; only buffers go to the device.
-            for m in self.model.modules():
-                for name, buf in m._buffers.items():
-                    if buf is not None:
-                        m._buffers[name] = buf.to(self.root_device)
-            return
-        self.model.to(self.root_device)
+        self.engine.module_to_device(self._fsdp_root if self._fsdp_root is not None else self.model)
 
     @contextmanager
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
@@ -673,29 +379,8 @@ class ZeroPPStrategy(ParallelStrategy):
             prepare_for_backward(self.model, closure_loss)
 
     def post_backward(self, closure_loss: Tensor) -> None:
-        if self._grad_sync and self.stage in (2, 3) and self.model is not None:
-            self._reduce_replicated_grads()
-
-    @torch.no_grad()
-    def _reduce_replicated_grads(self) -> None:
-        """Average the grads FSDP2 does not own (0-dim params), as DDP would: divide, then sum.
-
-        Bytes sent per rank: one all-reduce of 4 bytes per such parameter, booked as
-        GRAD_REDUCE.
-        """
-        # Every rank reduces the same list (a rank where a param got no grad sends zeros),
-        # so the collective matches even if the param was used on some ranks only.
-        params = [p for p in replicated_params(self.model) if p.requires_grad]
-        if not params:
-            return
-        flat = torch.stack([p.grad.float() if p.grad is not None else p.new_zeros((), dtype=torch.float32) for p in params])
-        flat /= self.world_size
-        all_reduce(flat, ledger=self.comm_ledger, kind=CommKind.GRAD_REDUCE, group=self.meshes.world.get_group())
-        for p, v in zip(params, flat):
-            if p.grad is None:
-                p.grad = v.to(p.dtype).clone()
-            else:
-                p.grad.copy_(v)
+        if self._grad_sync and self._fsdp_root is not None:
+            self.engine.reduce_replicated_grads(self._fsdp_root)
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
@@ -717,21 +402,6 @@ class ZeroPPStrategy(ParallelStrategy):
             self._grad_sync = True
 
     # -- collectives for Lightning (logging, barriers) --------------------------------------
-
-    def barrier(self, name: str | None = None) -> None:
-        if not _distributed_is_initialized():
-            return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
-
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src, group=_group.WORLD)
-        return box[0]
 
     def reduce(self, tensor: Any, group: Any = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
         if isinstance(tensor, Tensor):

@@ -127,9 +127,9 @@ def _metadata(directory: Path) -> dict[str, Any]:
     return dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
 
 
-def load_model(module: nn.Module, directory: Path, *, strict: bool) -> None:
-    """Read the module's tensors from ``directory`` into its current layout, in place."""
-    saved = {k[len("model.") :] for k in _metadata(directory) if k.startswith("model.")}
+def load_model(module: nn.Module, directory: Path, *, strict: bool, key: str = "model") -> None:
+    """Read the module's tensors (saved under ``key``) from ``directory`` into its current layout, in place."""
+    saved = {k[len(key) + 1 :] for k in _metadata(directory) if k.startswith(f"{key}.")}
     current = module.state_dict()
     by_name = {canonical(k): v for k, v in current.items()}
     missing = sorted(set(by_name) - saved)
@@ -140,7 +140,7 @@ def load_model(module: nn.Module, directory: Path, *, strict: bool) -> None:
             f"{unexpected[:8]}. Fix: load a checkpoint of this model, or set LightningModule.strict_loading = False."
         )
     targets = {k: v for k, v in by_name.items() if k in saved}
-    dcp.load({"model": targets}, checkpoint_id=str(directory))
+    dcp.load({key: targets}, checkpoint_id=str(directory))
     # dcp.load fills tensors in place; state_dict() tensors alias the parameters and
     # buffers, except where a module returns copies: copy those back.
     module.load_state_dict({k: v for k, v in current.items() if canonical(k) in targets}, strict=False)

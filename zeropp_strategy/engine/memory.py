@@ -27,6 +27,7 @@ from __future__ import annotations
 import resource
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -34,6 +35,9 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from zeropp_strategy.engine.frozen import Int8Weight
+
+if TYPE_CHECKING:  # a runtime import would be circular (offload imports engine)
+    from zeropp_strategy.offload import OffloadOptimizer
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -115,7 +119,7 @@ class MemoryStats:
         return "\n".join(lines)
 
 
-def offloaded(optimizer: Optimizer) -> "OffloadOptimizer | None":  # noqa: F821
+def offloaded(optimizer: Optimizer) -> OffloadOptimizer | None:
     """The OffloadOptimizer inside Lightning's and stage 1's wrappers, if any."""
     from zeropp_strategy.engine.stage1 import ShardedOptimizer
     from zeropp_strategy.offload import OffloadOptimizer

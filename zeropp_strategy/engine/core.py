@@ -1,0 +1,399 @@
+"""``ZeroEngine``: the ZeRO machinery every front-end shares.
+
+The Lightning strategy, the Fabric strategy and ``ZeroPPAccelerator`` differ in how a
+user hands them a model and an optimizer and in their hooks; what they do to those
+objects is the same and lives here, once:
+
+- ``start``: after the default process group exists, detect the topology, build the
+  device meshes and the CommLedger, bind the precision plugin;
+- ``wrap_model``: stage 1 wraps the module in DDP (all-reduce booked by a ledger hook);
+  stages 2/3 apply FSDP2 with our comm objects (``engine.fsdp.shard_module``), plus
+  NVMe parameter offload where configured;
+- ``wrap_optimizer``: stage 1's ``ShardedOptimizer``, then ``OffloadOptimizer`` where
+  configured; ``remap_optimizer`` first re-points an optimizer built before sharding at
+  the sharded parameters (by name);
+- ``no_sync`` and ``reduce_replicated_grads`` around backward, ``agree`` for rank-local
+  steps that may fail.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Generator, Iterable
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+
+from zeropp_strategy.comm.collectives import LedgerHookState, all_reduce, ledger_allreduce_hook
+from zeropp_strategy.comm.ledger import CommKind, CommLedger
+from zeropp_strategy.config import ZeroConfig
+from zeropp_strategy.engine.fsdp import fsdp_modules, materialize, replicated_params, shard_module
+from zeropp_strategy.engine.stage1 import ShardedOptimizer
+from zeropp_strategy.precision import ZeroPPPrecision
+from zeropp_strategy.topology import Meshes, Topology
+
+log = logging.getLogger(__name__)
+
+
+def default_backend(config: ZeroConfig, device: torch.device) -> str:
+    """NCCL for accelerator tensors; with offload, also gloo for the host tensors that
+    offloaded shards produce (full-format saves gather host-resident DTensors, clipping
+    reduces norms of host grads): c10d picks the backend by each tensor's device."""
+    if device.type == "cpu":
+        return "gloo"
+    backend = "nccl" if device.type == "cuda" else dist.Backend.default_device_backend_map.get(device.type, "gloo")
+    offload = config.offload_optimizer.device != "none" or config.offload_param.device != "none"
+    if backend == "nccl" and offload:
+        return "cpu:gloo,cuda:nccl"
+    return backend
+
+
+def check_offload_paths(config: ZeroConfig) -> None:
+    """A missing or read-only nvme_path fails here, on every rank, before any collective."""
+    from zeropp_strategy.offload.swap import check_swap_root
+
+    for name in ("offload_optimizer", "offload_param"):
+        block = getattr(config, name)
+        if block.device == "nvme":
+            check_swap_root(block.nvme_path, name)
+
+
+def close_offload(optimizer: Any) -> None:
+    """Close the OffloadOptimizer inside Lightning's/Accelerate's/stage 1's wrappers, if any."""
+    from zeropp_strategy.engine.memory import offloaded
+
+    inner = offloaded(getattr(optimizer, "optimizer", optimizer)) or offloaded(optimizer)
+    if inner is not None:
+        inner.close()
+
+
+class ZeroEngine:
+    """Applies a ``ZeroConfig`` to modules and optimizers on this rank (see module docstring)."""
+
+    def __init__(
+        self,
+        config: ZeroConfig,
+        *,
+        topology: Topology,
+        meshes: Meshes,
+        ledger: CommLedger,
+        precision: ZeroPPPrecision,
+        device: torch.device,
+        info: Callable[[str], None] = log.info,
+    ) -> None:
+        self.config = config
+        self.topology = topology
+        self.meshes = meshes
+        self.ledger = ledger
+        self.precision = precision
+        self.device = device
+        self.info = info  # rank-zero logging of the front-end
+        self.param_stores: list[Any] = []  # offload_param="nvme", one per sharded model
+
+    @classmethod
+    def start(
+        cls,
+        config: ZeroConfig,
+        *,
+        rank: int,
+        world_size: int,
+        ranks_per_node: int,
+        device: torch.device,
+        precision: ZeroPPPrecision,
+        info: Callable[[str], None] = log.info,
+    ) -> ZeroEngine:
+        """Call once the default process group exists (every rank)."""
+        topology = Topology.detect(world_size, rank, ranks_per_node=ranks_per_node, simulated_nodes=config.simulated_nodes)
+        meshes = topology.build_meshes(device.type)
+        ledger = CommLedger(topology)
+        precision.bind(device.type, ledger, meshes.world.get_group())
+        return cls(config, topology=topology, meshes=meshes, ledger=ledger, precision=precision, device=device,
+                   info=info)
+
+    @property
+    def stage(self) -> int:
+        return self.config.stage
+
+    @property
+    def rank(self) -> int:
+        return self.topology.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.topology.world_size
+
+    # -- models -------------------------------------------------------------------------------
+
+    @property
+    def hpz_partition_size(self) -> int:
+        """Effective hpZ group size: 1 when off or when it cannot help (one group = all ranks)."""
+        size = self.config.hpz_partition_size or self.topology.ranks_per_node
+        return size if self.stage == 3 and 1 < size < self.world_size else 1
+
+    def reshard_after_forward(self) -> bool | int:
+        """Stage 2 keeps gathered params through backward; stage 3 frees them, or with hpZ
+        keeps an intra-node secondary shard (FSDP2's integer reshard_after_forward)."""
+        if self.stage == 2:
+            return False
+        if self.config.hpz_partition_size != 1 and self.hpz_partition_size == 1:
+            self.info(
+                f"zeropp: hpZ needs more than one group of ranks; all {self.world_size} ranks form one "
+                "(a single node), so backward gathers use the plain stage-3 path."
+            )
+        return self.hpz_partition_size if self.hpz_partition_size > 1 else True
+
+    def comm_factories(self) -> tuple[Any, Any]:
+        """Factories for qwZ / qgZ comm objects (None: the plain ledger collectives)."""
+        from zeropp_strategy.comm.zeropp import HierarchicalQuantReduceScatter, QuantizedAllGather
+
+        cfg, topo = self.config, self.topology
+        all_gather: Any = None
+        reduce_scatter: Any = None
+        if cfg.quantized_weights:
+            if topo.num_nodes == 1:
+                self.info("zeropp: qwZ quantizes only cross-node gathers; on one node they stay 16/32-bit.")
+
+            def quantized_gather() -> QuantizedAllGather:
+                return QuantizedAllGather(
+                    self.ledger, topo, block_elems=cfg.weight_quant_block_elems, min_elems=cfg.quantize_min_elems
+                )
+
+            all_gather = quantized_gather
+
+        if cfg.quantized_gradients:
+            if topo.num_nodes == 1 and not cfg.quantized_gradients_on_single_node:
+                self.info(
+                    "zeropp: qgZ falls back to the plain reduce-scatter on a single node "
+                    "(set quantized_gradients_on_single_node=True to quantize anyway)."
+                )
+
+            def quantized_reduce_scatter() -> HierarchicalQuantReduceScatter:
+                return HierarchicalQuantReduceScatter(
+                    self.ledger,
+                    topo,
+                    intra_group=self.meshes.intra_group,
+                    inter_group=self.meshes.inter_group,
+                    bits=cfg.gradient_quant_bits,
+                    block_elems=cfg.gradient_quant_block_elems,
+                    min_elems=cfg.quantize_min_elems,
+                    on_single_node=cfg.quantized_gradients_on_single_node,
+                )
+
+            reduce_scatter = quantized_reduce_scatter
+
+        return all_gather, reduce_scatter
+
+    def wrap_ddp(self, module: nn.Module) -> DistributedDataParallel:
+        """Stage 1: DDP whose all-reduce the ledger books."""
+        device_ids = None if self.device.type == "cpu" else [self.device.index]
+        # gradient_as_bucket_view: grads live in DDP's buckets instead of beside them
+        # (saves g*P bytes per rank); ShardedOptimizer's shard grads are views of those.
+        ddp = DistributedDataParallel(
+            module,
+            device_ids=device_ids,
+            bucket_cap_mb=self.config.reduce_bucket_bytes / 2**20,
+            process_group=self.meshes.world.get_group(),
+            gradient_as_bucket_view=True,
+        )
+        # DDP broadcast rank 0's parameters and buffers at construction: book it.
+        state_bytes = sum(t.numel() * t.element_size() for t in module.state_dict().values())
+        self.ledger.record_broadcast(CommKind.OTHER, state_bytes, 0, list(range(self.world_size)))
+        ddp.register_comm_hook(LedgerHookState(self.ledger, self.meshes.world.get_group()), ledger_allreduce_hook)
+        return ddp
+
+    def shard(self, root: nn.Module) -> list[nn.Module]:
+        """Stages 2/3: FSDP2 on ``root`` (in place) with our comm objects; NVMe params mapped."""
+        all_gather, reduce_scatter = self.comm_factories()
+        blocks = shard_module(
+            root,
+            self.config,
+            mesh=self.meshes.world,
+            ledger=self.ledger,
+            mp_policy=self.precision.mp_policy(gather_16bit=self.config.gather_16bit is not False),
+            device=self.device,
+            reshard_after_forward=self.reshard_after_forward(),
+            all_gather=all_gather,
+            reduce_scatter=reduce_scatter,
+        )
+        if self.config.offload_param.device == "nvme":
+            from zeropp_strategy.offload.params import ParamStore
+
+            store = self.agree(
+                "mapping parameter shards to NVMe",
+                lambda: ParamStore(root, self.config.offload_param, rank=self.rank),
+            )
+            self.param_stores.append(store)
+        return blocks
+
+    def module_to_device(self, module: nn.Module) -> None:
+        """Move to the device, except parameter shards that offload keeps on the host."""
+        if self.stage == 3 and self.config.offload_param.device != "none" and fsdp_modules(module):
+            for m in module.modules():  # FSDP2 keeps sharded params on the host; buffers go
+                for name, buf in m._buffers.items():
+                    if buf is not None:
+                        m._buffers[name] = buf.to(self.device)
+            return
+        module.to(self.device)
+
+    def prepare_stage1(self, module: nn.Module) -> nn.Module:
+        """Stage 1 before DDP: meta tensors materialized, precision applied, on the device."""
+        materialize(module, self.device)
+        module = self.precision.convert_module(module)
+        module.to(self.device)
+        return module
+
+    # -- optimizers ---------------------------------------------------------------------------
+
+    def wrap_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """Stage 1's sharded state, then host offload, as the config asks. Idempotent."""
+        if self.stage == 1 and not isinstance(optimizer, ShardedOptimizer):
+            optimizer = ShardedOptimizer(
+                optimizer, self.meshes.world, self.ledger, allgather_bucket_bytes=self.config.allgather_bucket_bytes
+            )
+        release = self._release_params
+        if self.config.offload_optimizer.device != "none":
+            optimizer = self.agree("building the offloaded optimizer", lambda: self._offload(optimizer))
+        elif self.param_stores:
+            # The user's optimizer steps the mapped shards in place; drop their pages after.
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            optimizer.register_step_post_hook(lambda *_, params=params: release(params))
+        return optimizer
+
+    def _release_params(self, params: list[torch.Tensor]) -> None:
+        for store in self.param_stores:
+            store.release(params)
+
+    def _prefetch_params(self, params: list[torch.Tensor]) -> None:
+        for store in self.param_stores:
+            store.prefetch_params(params)
+
+    def _offload(self, optimizer: Optimizer) -> Optimizer:
+        from zeropp_strategy.offload import OffloadOptimizer
+
+        stores = bool(self.param_stores)
+
+        def offload(opt: Optimizer) -> OffloadOptimizer:
+            return OffloadOptimizer(
+                opt, self.config.offload_optimizer, rank=self.rank,
+                on_stepped=self._release_params if stores else None,
+                on_prefetch=self._prefetch_params if stores else None,
+            )
+
+        if isinstance(optimizer, ShardedOptimizer):  # stage 1: offload what the shard view steps
+            if not isinstance(optimizer.optimizer, OffloadOptimizer):
+                optimizer.optimizer = offload(optimizer.optimizer)
+            return optimizer
+        if isinstance(optimizer, OffloadOptimizer):
+            return optimizer
+        return offload(optimizer)
+
+    @staticmethod
+    def remap_optimizer(optimizer: Optimizer, before: dict[int, str], after: dict[str, nn.Parameter]) -> int:
+        """Point an optimizer built before sharding at the sharded parameters, by name.
+
+        ``before``: id(original parameter) -> name; ``after``: name -> parameter now.
+        Returns how many parameters were re-pointed. State must be empty (it is keyed by
+        the old parameters).
+        """
+        moved = 0
+        for group in optimizer.param_groups:
+            new = []
+            for p in group["params"]:
+                name = before.get(id(p))
+                if name is not None and after.get(name) is not None and after[name] is not p:
+                    new.append(after[name])
+                    moved += 1
+                else:
+                    new.append(p)
+            group["params"] = new
+        if moved and len(optimizer.state):
+            raise ValueError(
+                "an optimizer with state was created before the model was sharded, so its state belongs to the "
+                "unsharded parameters. Fix: prepare the model (and the optimizer) before the first step, or load "
+                "the optimizer state after prepare."
+            )
+        return moved
+
+    # -- backward -----------------------------------------------------------------------------
+
+    @contextmanager
+    def no_sync(self, model: nn.Module) -> Generator[None, None, None]:
+        """No gradient communication in backward (gradient accumulation)."""
+        if isinstance(model, DistributedDataParallel):
+            with model.no_sync():
+                yield
+            return
+        roots = fsdp_modules(model)[:1]  # the root; the setting applies to every group under it
+        for r in roots:
+            r.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            for r in roots:
+                r.set_requires_gradient_sync(True)
+
+    @torch.no_grad()
+    def reduce_replicated_grads(self, model: nn.Module) -> None:
+        """Average the grads FSDP2 does not own (0-dim params), as DDP would: divide, then sum.
+
+        One all-reduce of 8 bytes per such parameter (its grad and whether this rank has
+        one), booked as GRAD_REDUCE. Every rank reduces the same list, so the collective
+        matches even where a parameter was used on some ranks only (those without a grad
+        send zeros); a parameter no rank produced a grad for keeps ``grad=None``, as
+        without sharding (several models in one job: only the one that ran backward).
+        """
+        if isinstance(model, DistributedDataParallel):
+            return
+        params = [p for p in replicated_params(model) if p.requires_grad]
+        if not params or not fsdp_modules(model):
+            return
+        values = [p.grad.float() if p.grad is not None else p.new_zeros((), dtype=torch.float32) for p in params]
+        present = [p.new_ones((), dtype=torch.float32) if p.grad is not None else p.new_zeros((), dtype=torch.float32)
+                   for p in params]
+        flat = torch.stack(values + present)
+        flat[: len(params)] /= self.world_size
+        all_reduce(flat, ledger=self.ledger, kind=CommKind.GRAD_REDUCE, group=self.meshes.world.get_group())
+        for p, v, n in zip(params, flat[: len(params)], flat[len(params) :]):
+            if n.item() == 0:
+                continue
+            if p.grad is None:
+                p.grad = v.to(p.dtype).clone()
+            else:
+                p.grad.copy_(v)
+
+    # -- failure agreement ------------------------------------------------------------------
+
+    def agree(self, what: str, fn: Callable[[], Any]) -> Any:
+        """Run a rank-local step that may fail (a full disk) so that all ranks fail together.
+
+        Every rank runs ``fn``, then one all-reduce says whether any failed: the failing
+        rank raises its own error, the others an error naming it, instead of waiting in
+        the next collective until the timeout.
+        """
+        error: BaseException | None = None
+        result = None
+        try:
+            result = fn()
+        except Exception as e:  # noqa: BLE001 - re-raised below, after the others know
+            error = e
+        flag = torch.tensor([self.rank if error is not None else -1], dtype=torch.int64)
+        if self.device.type != "cpu" and dist.get_backend() == "nccl":
+            flag = flag.to(self.device)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if error is not None:
+            raise error
+        failed = int(flag.item())
+        if failed >= 0:
+            raise RuntimeError(f"zeropp: {what} failed on rank {failed} (its error is in its log); stopping this rank too.")
+        return result
+
+
+def named_params_by_id(modules: Iterable[nn.Module]) -> dict[int, str]:
+    """id(parameter) -> "<module index>.<name>" for ``remap_optimizer``."""
+    return {id(p): f"{i}.{n}" for i, m in enumerate(modules) for n, p in m.named_parameters(remove_duplicate=False)}
