@@ -56,6 +56,12 @@ def register_all() -> None:
     from zeropp_strategy.strategy import ZeroPPStrategy
 
     ZeroPPStrategy.register_strategies(StrategyRegistry)
+
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+
+    from zeropp_strategy.fabric import ZeroPPFabricStrategy
+
+    ZeroPPFabricStrategy.register_strategies(STRATEGY_REGISTRY)
     pl_cls = pytorch_lightning_strategy()
     if pl_cls is not None:
         from pytorch_lightning.strategies import StrategyRegistry as PLRegistry

@@ -1,0 +1,335 @@
+"""``ZeroPPFabricStrategy``: the same ZeRO engine under Lightning Fabric.
+
+    fabric = Fabric(strategy="zeropp_stage_3", accelerator="cuda", devices=8)
+    fabric.launch()
+    with fabric.init_module(empty_init=True):        # meta device at stages 2/3
+        model = build_model()
+    optimizer = torch.optim.AdamW(model.parameters())  # before or after setup: both work
+    model, optimizer = fabric.setup(model, optimizer)
+
+What each hook does is ``engine.core.ZeroEngine``'s work; this file adapts it to Fabric:
+``setup_module_and_optimizers`` shards the module (FSDP2 as root at stages 2/3, DDP at
+stage 1), re-points optimizers that were built over the unsharded parameters (by name)
+and wraps them (stage 1's sharded state, offload); ``backward`` averages the replicated
+0-dim grads unless ``no_backward_sync`` is active; ``clip_gradients_norm`` takes the
+global norm over every rank's shard. ``save_checkpoint`` writes the sharded directory
+(every rank, DCP; modules and optimizers keyed by parameter name) or one full file from
+rank 0 in the layout Fabric's DDP strategy writes, and ``load_checkpoint`` reads either.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Mapping
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.plugins import ClusterEnvironment, Precision
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import ParallelStrategy
+from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+from lightning.fabric.utilities.rank_zero import rank_zero_info
+from lightning.fabric.utilities.types import ReduceOp
+from torch import Tensor
+from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+
+from zeropp_strategy._process import ProcessMixin
+from zeropp_strategy.checkpoint.objects import load_objects, save_objects, split_state, stateful
+from zeropp_strategy.config import ZeroConfig
+from zeropp_strategy.engine.core import ZeroEngine, close_offload, named_params_by_id
+from zeropp_strategy.engine.fsdp import fsdp_modules, has_meta
+from zeropp_strategy.precision import ZeroPPPrecision, clip_grad_norm, clip_grad_value
+from zeropp_strategy.strategy import PRESETS, _resolve_config
+
+def _flag_of(precision: Precision) -> str:
+    flag = str(getattr(precision, "precision", "32-true"))
+    return "32-true" if flag in ("32", "32-true") else flag
+
+
+class ZeroPPFabricStrategy(ProcessMixin, ParallelStrategy):
+    """ZeRO stages 1/2/3 (and ZeRO++, offload) for Lightning Fabric.
+
+    Args:
+        config: a ``ZeroConfig``, a dict of its fields, or a path to a YAML file or a
+            DeepSpeed JSON config.
+        state_dict_type: ``"sharded"`` (every rank writes a directory) or ``"full"`` (one
+            file from rank 0); default from the config (sharded at stages 2/3).
+        accelerator, parallel_devices, cluster_environment, precision: set by Fabric.
+        process_group_backend, timeout: as for Fabric's DDP strategy.
+        **config_fields: any ``ZeroConfig`` field, overriding ``config``.
+    """
+
+    def __init__(
+        self,
+        config: ZeroConfig | Mapping[str, Any] | str | Path | None = None,
+        *,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        precision: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        **config_fields: Any,
+    ) -> None:
+        self.config = _resolve_config(config, config_fields)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            precision=precision,
+        )
+        self._num_nodes = 1
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._engine: ZeroEngine | None = None
+        self._backward_sync_control = _ZeroNoSync(self)
+        self._grad_sync = True
+        self._optimizers: list[Optimizer] = []
+        self._modules: list[Module] = []
+
+    # -- sizes and identity -------------------------------------------------------------
+
+    @property
+    def stage(self) -> int:
+        return self.config.stage
+
+    @property
+    def engine(self) -> ZeroEngine:
+        if self._engine is None:
+            raise RuntimeError("ZeroPPFabricStrategy.engine is available after Fabric.launch() set up the processes.")
+        return self._engine
+
+    @property
+    def comm_ledger(self) -> Any:
+        return self.engine.ledger
+
+    @property
+    def state_dict_type(self) -> str:
+        return self.config.resolved_state_dict_type()
+
+    # -- processes ----------------------------------------------------------------------
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self._connect()
+        engine_precision = ZeroPPPrecision(_flag_of(self.precision), device=self.root_device.type)
+        self._engine = ZeroEngine.start(
+            self.config,
+            rank=self.global_rank,
+            world_size=self.world_size,
+            ranks_per_node=self.num_processes,
+            device=self.root_device,
+            precision=engine_precision,
+            info=rank_zero_info,
+        )
+        self._use_sharded_scaler()
+        rank_zero_info(f"zeropp (Fabric): stage {self.stage}, {self.engine.topology.describe()}")
+
+    def _use_sharded_scaler(self) -> None:
+        """16-mixed: Fabric's GradScaler checks for inf only locally; ours all-reduces."""
+        from zeropp_strategy.precision import ShardedGradScaler
+
+        scaler = getattr(self.precision, "scaler", None)
+        if scaler is not None and not isinstance(scaler, ShardedGradScaler):
+            self.precision.scaler = ShardedGradScaler(
+                device=self.root_device.type, group=self.engine.meshes.world.get_group(), ledger=self.engine.ledger
+            )
+
+    # -- modules and optimizers ----------------------------------------------------------
+
+    def setup_module_and_optimizers(
+        self, module: Module, optimizers: list[Optimizer], scheduler: Any = None
+    ) -> tuple[Module, list[Optimizer], Any]:
+        before = named_params_by_id([module])
+        module = self.setup_module(module)
+        inner = module.module if isinstance(module, DistributedDataParallel) else module
+        after = {f"0.{n}": p for n, p in inner.named_parameters(remove_duplicate=False)}
+        for opt in optimizers:
+            self.engine.remap_optimizer(opt, before, after)
+        return module, [self.setup_optimizer(opt) for opt in optimizers], scheduler
+
+    def setup_module(self, module: Module) -> Module:
+        if fsdp_modules(module) or isinstance(module, DistributedDataParallel):
+            return module  # already set up
+        module = self._setup_module(module)
+        self._modules.append(module)
+        return module
+
+    def _setup_module(self, module: Module) -> Module:
+        if self.stage == 1:
+            module = self.engine.prepare_stage1(module)
+            if self.config.activation_checkpointing:
+                from zeropp_strategy.engine.wrap import apply_activation_checkpointing, select_blocks
+
+                apply_activation_checkpointing(select_blocks(
+                    module, wrap_modules=self.config.wrap_modules, wrap_min_params=self.config.wrap_min_params))
+            return self.engine.wrap_ddp(module)
+        module = self.engine.precision.convert_module(module)
+        self.engine.shard(module)
+        self.engine.module_to_device(module)
+        return module
+
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        wrapped = self.engine.wrap_optimizer(optimizer)
+        self._optimizers.append(wrapped)
+        return wrapped
+
+    def module_to_device(self, module: Module) -> None:
+        """Fabric calls this before ``setup_module``. Stages 2/3 place each shard while sharding
+        (the full model never lands on the device); meta tensors are materialized there too."""
+        if fsdp_modules(module):
+            self.engine.module_to_device(module)
+        elif self.stage == 1 and not has_meta(module):
+            module.to(self.root_device)
+
+    def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
+        stack = ExitStack()
+        if empty_init and self.stage in (2, 3):  # materialized shard by shard in setup_module
+            stack.enter_context(torch.device("meta"))
+        stack.enter_context(self.precision.module_init_context())
+        return stack
+
+    # -- backward and clipping -------------------------------------------------------------
+
+    def backward(self, tensor: Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
+        super().backward(tensor, module, *args, **kwargs)
+        if self._grad_sync:
+            for m in [module] if module is not None else self._modules:
+                self.engine.reduce_replicated_grads(m)
+
+    def clip_gradients_norm(
+        self,
+        module: Module,
+        optimizer: Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> Tensor:
+        """The global norm over every rank's shard (stage 2/3), as DDP computes it at stage 1."""
+        self.precision.unscale_gradients(optimizer)
+        total = clip_grad_norm(optimizer, float(max_norm), norm_type=float(norm_type), ledger=self.engine.ledger)
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(
+                f"The total norm of order {norm_type} of the gradients is non-finite ({total.item()}), so it cannot be "
+                "clipped. Fix: find the source of the inf/NaN, or pass error_if_nonfinite=False."
+            )
+        return total
+
+    def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: float | int) -> None:
+        self.precision.unscale_gradients(optimizer)
+        clip_grad_value(optimizer, float(clip_val))
+
+    # -- collectives ------------------------------------------------------------------------
+
+    def all_reduce(self, tensor: Tensor, group: Any = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # -- checkpoints ----------------------------------------------------------------------
+
+    def save_checkpoint(
+        self,
+        path: Any,
+        state: dict[str, Module | Optimizer | Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
+        """Sharded: a directory every rank writes (DCP) plus ``zeropp_meta.pt``; full: one
+        file from rank 0 holding what Fabric's DDP strategy would save."""
+        if storage_options is not None:
+            raise TypeError("ZeroPPFabricStrategy.save_checkpoint(storage_options=...) is not supported. Fix: drop it.")
+        if filter is not None:
+            raise NotImplementedError("ZeroPPFabricStrategy.save_checkpoint(filter=...) is not supported. Fix: drop it.")
+        modules, optimizers, rest = split_state(state)
+        rest = {k: (v.state_dict() if stateful(v) else v) for k, v in rest.items()}
+        save_objects(
+            Path(self.broadcast(str(path))), modules, optimizers, rest,
+            full=self.state_dict_type == "full", rank_zero=self.is_global_zero, barrier=self.barrier,
+            broadcast=self.broadcast, unwrap=_unwrap, ledger=self.engine.ledger,
+            info={"stage": self.stage, "world_size": self.world_size, "config": self.config.to_dict(),
+                  "front_end": "fabric"},
+        )
+
+    def load_checkpoint(
+        self,
+        path: Any,
+        state: Module | Optimizer | dict[str, Module | Optimizer | Any] | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Restore modules, optimizers and stateful objects in ``state`` in place; returns
+        the checkpoint's remaining entries (Fabric's contract)."""
+        if isinstance(state, Optimizer):
+            raise NotImplementedError("Loading a single optimizer is not supported. Fix: pass {'optimizer': opt, ...}.")
+        if isinstance(state, Module):
+            state = {"model": state}
+        state = state if state is not None else {}
+        modules, optimizers, others = split_state(state)
+        rest = load_objects(Path(self.broadcast(str(path))), modules, optimizers, strict=strict,
+                            weights_only=weights_only, unwrap=_unwrap)
+        for key, obj in others.items():
+            if key not in rest:
+                if strict:
+                    raise KeyError(f"checkpoint {path} has no entry {key!r}. Fix: save it, or pass strict=False.")
+                continue
+            if stateful(obj):
+                obj.load_state_dict(rest.pop(key))
+            else:
+                state[key] = rest.pop(key)
+        return rest
+
+    # -- teardown and registry ------------------------------------------------------------
+
+    def teardown(self) -> None:
+        for opt in self._optimizers:
+            close_offload(opt)
+        self._optimizers, self._modules = [], []
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        for name, fields in PRESETS.items():
+            if name in strategy_registry:
+                continue
+            strategy_registry.register(name, cls, description=f"ZeRO via zeropp-strategy, Fabric ({fields})", **fields)
+
+
+def _unwrap(module: Module) -> Module:
+    """The user's module behind DDP (stage 1) or Fabric's wrapper."""
+    module = getattr(module, "_forward_module", module)  # _FabricModule
+    return module.module if isinstance(module, DistributedDataParallel) else module
+
+
+class _ZeroNoSync(_BackwardSyncControl):
+    """``fabric.no_backward_sync(model)``: no gradient communication in backward."""
+
+    def __init__(self, strategy: ZeroPPFabricStrategy) -> None:
+        self.strategy = strategy
+
+    def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
+        if not enabled:
+            return nullcontext()
+        return self._blocked(module)
+
+    @contextmanager
+    def _blocked(self, module: Module) -> Generator[None, None, None]:
+        self.strategy._grad_sync = False
+        try:
+            with self.strategy.engine.no_sync(module):
+                yield
+        finally:
+            self.strategy._grad_sync = True
+
