@@ -499,6 +499,7 @@ _FIELD_VALUES = {
     "reduce_bucket_bytes": _mostly(st.integers(1000, 2**30)),
     "allgather_bucket_bytes": _mostly(st.integers(1000, 2**30)),
     "state_dict_type": _mostly(st.sampled_from([None, "sharded", "full", "FULL"])),
+    "gather_16bit": _mostly(st.sampled_from([None, True, False])),
     "simulated_nodes": _mostly(st.integers(-1, 8)),
 }
 assert set(_FIELD_VALUES) == {f.name for f in dataclasses.fields(ZeroConfig)}

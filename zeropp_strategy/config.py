@@ -220,6 +220,13 @@ class ZeroConfig:
     state_dict_type: str | None = None
     """Checkpoints: "sharded" (a file per rank), "full" (one consolidated state dict on rank 0) or
     None = "sharded" for stages 2/3, "full" for stage 1 (see ``resolved_state_dict_type``)."""
+    gather_16bit: bool | None = None
+    """With 16-bit mixed precision (bf16/fp16 "-mixed"), stages 2/3 all-gather parameters in the
+    16-bit dtype: half the gather bytes, and every op computes with 16-bit weights (as Lightning's
+    and Accelerate's FSDP do). False gathers fp32 weights: only autocast-eligible ops (matmuls,
+    convolutions) run in 16 bits, so the numbers equal DDP with autocast. None = True under
+    Lightning and Fabric, False under ``ZeroPPAccelerator`` (Accelerate's own mixed precision
+    is autocast over fp32 weights). No effect in fp32 or "-true" precision."""
     simulated_nodes: int = 0
     """0 = real topology; N > 0 splits one machine's ranks into N simulated nodes, so hierarchical
     (inter-node) collectives run for real in tests and benchmarks."""
@@ -233,6 +240,9 @@ class ZeroConfig:
         put("stage", stage := int(self.stage))
         for name in _BOOL_FIELDS:
             _bool(f"{w}.{name}", getattr(self, name), f"use {name}=True or {name}=False")
+        if self.gather_16bit is not None:
+            _bool(f"{w}.gather_16bit", self.gather_16bit,
+                  "use gather_16bit=True (16-bit gathers), False (fp32 gathers) or None (the front-end's default)")
         for name, (low, fix) in _INT_MINIMUMS.items():
             put(name, _at_least(f"{w}.{name}", getattr(self, name), low, fix))
         for name in ("weight_quant_block_elems", "gradient_quant_block_elems"):

@@ -1,0 +1,324 @@
+"""HF Accelerate on the zeropp engine: ``ZeroPPAccelerator``.
+
+    from zeropp_strategy.accelerate import ZeroPPAccelerator as Accelerator
+
+or, for an unchanged script, through the launch module (``zeropp_strategy.accelerate.launch``):
+
+    ZEROPP_CONFIG=zero.yaml accelerate launch --config_file recipes/accelerate/zeropp.yaml \\
+        -m zeropp_strategy.accelerate.launch train.py --lr 1e-4
+
+[Note: Accelerate without a backend plug-in]
+Accelerate 1.15 has no plug-in point for a new sharding backend: ``DistributedType`` is
+closed and ``MULTI_CPU``/``MULTI_GPU`` wrap models in DDP. ``ZeroPPAccelerator`` keeps
+that type (so Accelerate's own collectives, samplers, ``gather_for_metrics``, RNG
+synchronization and ``save_state`` bookkeeping work unchanged) and overrides only what
+sharding changes: ``prepare_model`` (our engine instead of DDP), ``prepare_optimizer``
+(re-pointed at the sharded parameters by name, stage-1/offload wrappers), ``prepare``
+(models first, so an optimizer can come before its model in the argument list),
+``backward``, ``no_sync``, ``clip_grad_norm_``, ``get_state_dict``, ``save_state`` and
+``load_state``. The engine is ``engine.core.ZeroEngine``, the one the Lightning and
+Fabric strategies use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+from collections.abc import Generator
+from pathlib import Path
+from types import MethodType
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.utils import DistributedType, convert_outputs_to_fp32
+from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+
+from zeropp_strategy.checkpoint.objects import load_objects, save_objects
+from zeropp_strategy.config import ZeroConfig
+from zeropp_strategy.engine.core import ZeroEngine, check_offload_paths, close_offload
+from zeropp_strategy.engine.fsdp import fsdp_modules
+from zeropp_strategy.engine.state import full_model_state
+from zeropp_strategy.precision import ShardedGradScaler, ZeroPPPrecision, clip_grad_norm_params
+
+__all__ = ["CONFIG_ENV", "ZeroPPAccelerator", "config_from_env"]
+
+log = logging.getLogger(__name__)
+
+#: Environment variable naming the plugin's YAML (``ZeroConfig`` schema) or DeepSpeed JSON.
+CONFIG_ENV = "ZEROPP_CONFIG"
+_PRECISION = {"no": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
+_STATE_DIR = "zeropp_state"
+
+
+def config_from_env() -> ZeroConfig:
+    """The config ``$ZEROPP_CONFIG`` names (YAML or DeepSpeed JSON), else stage 3."""
+    path = os.environ.get(CONFIG_ENV)
+    if not path:
+        return ZeroConfig(stage=3)
+    if not Path(path).is_file():
+        raise FileNotFoundError(
+            f"{CONFIG_ENV}={path!r} does not name a file. Fix: point it at a YAML file with ZeroConfig fields or a "
+            "DeepSpeed JSON config, or unset it for the default (stage 3)."
+        )
+    return ZeroConfig.from_file(path)
+
+
+def _unwrap(model: Module) -> Module:
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+class ZeroPPAccelerator(Accelerator):
+    """``accelerate.Accelerator`` whose models and optimizers run on the zeropp engine.
+
+    Args:
+        *args, **kwargs: as for ``Accelerator`` (``mixed_precision``,
+            ``gradient_accumulation_steps``, ``project_dir`` ...).
+        zero_config: a ``ZeroConfig``, a dict of its fields or a YAML/DeepSpeed JSON path;
+            default: ``$ZEROPP_CONFIG``, else ``ZeroConfig(stage=3)``.
+    """
+
+    def __init__(self, *args: Any, zero_config: ZeroConfig | dict | str | Path | None = None, **kwargs: Any) -> None:
+        # Config errors first, on every rank, before Accelerate creates the process group.
+        if zero_config is None:
+            config = config_from_env()
+        elif isinstance(zero_config, ZeroConfig):
+            config = zero_config
+        elif isinstance(zero_config, dict):
+            config = ZeroConfig.from_dict(zero_config)
+        else:
+            config = ZeroConfig.from_file(zero_config)
+        check_offload_paths(config)
+        if "LOCAL_RANK" in os.environ and not torch.cuda.is_available() and "ACCELERATE_USE_CPU" not in os.environ:
+            # Under torchrun without CUDA, Accelerate would pick DistributedType.NO and every
+            # process would train alone; on the CPU it forms the gloo group (MULTI_CPU).
+            kwargs.setdefault("cpu", True)
+        if config.gather_16bit is None:  # Accelerate's mixed precision: autocast over fp32 weights
+            config = config.replace(gather_16bit=False)
+        super().__init__(*args, **kwargs)
+        if self.distributed_type not in (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU, DistributedType.NO):
+            raise ValueError(
+                f"ZeroPPAccelerator runs on Accelerate's MULTI_GPU/MULTI_CPU type, got {self.distributed_type}. Fix: "
+                "use an accelerate config with distributed_type MULTI_GPU or MULTI_CPU (no deepspeed_config/"
+                "fsdp_config), e.g. recipes/accelerate/zeropp.yaml."
+            )
+        ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.num_processes))
+        config.validate_for_world(self.num_processes, ranks_per_node)
+        self.zero_config = config
+        self._zero_names_before: dict[int, str] = {}
+        self._zero_params_after: dict[str, torch.nn.Parameter] = {}
+        self._zero_sync = True
+        self.zero_engine: ZeroEngine | None = None
+        if self.num_processes > 1:
+            flag = _PRECISION.get(str(self.mixed_precision), "32-true")
+            self.zero_engine = ZeroEngine.start(
+                config,
+                rank=self.process_index,
+                world_size=self.num_processes,
+                ranks_per_node=ranks_per_node,
+                device=self.device,
+                precision=ZeroPPPrecision(flag, device=self.device.type),  # type: ignore[arg-type]
+                info=lambda msg: self.print(msg),
+            )
+            self.print(f"zeropp: ZeroPPAccelerator stage {config.stage}, {self.zero_engine.topology.describe()}")
+            if self.scaler is not None:  # fp16: the inf check must see every rank's shards
+                self.scaler = ShardedGradScaler(
+                    device=self.device.type, group=self.zero_engine.meshes.world.get_group(),
+                    ledger=self.zero_engine.ledger,
+                )
+
+    @property
+    def engine(self) -> ZeroEngine:
+        if self.zero_engine is None:
+            raise RuntimeError("ZeroPPAccelerator has no engine in a single process (nothing to shard).")
+        return self.zero_engine
+
+    # -- prepare ----------------------------------------------------------------------------
+
+    def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
+        # Models first, whatever the argument order: optimizers are re-pointed at the
+        # sharded parameters, which exist only once their model is prepared.
+        if self.zero_engine is not None:
+            args = tuple(self.prepare_model(a) if isinstance(a, Module) else a for a in args)
+        return super().prepare(*args, device_placement=device_placement)
+
+    def prepare_model(self, model: Module, device_placement: bool | None = None, evaluation_mode: bool = False) -> Module:
+        if self.zero_engine is None:
+            return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        if getattr(model, "_zeropp_prepared", False):
+            if model not in self._models:
+                self._models.append(model)
+            return model
+        engine = self.engine
+        index = len(self._models)
+        for name, p in model.named_parameters(remove_duplicate=False):
+            self._zero_names_before[id(p)] = f"{index}.{name}"
+        if engine.stage == 1:
+            model = engine.prepare_stage1(model)
+            if not evaluation_mode:
+                model = engine.wrap_ddp(model)
+        else:
+            model = engine.precision.convert_module(model)
+            engine.shard(model)
+            engine.module_to_device(model)
+        for name, p in _unwrap(model).named_parameters(remove_duplicate=False):
+            self._zero_params_after[f"{index}.{name}"] = p
+        if self.native_amp:  # autocast around forward, fp32 outputs: as Accelerate does for DDP
+            inner = _unwrap(model)
+            autocast = torch.autocast(device_type=self.device.type, dtype=engine.precision.half_dtype)
+            forward = inner.forward
+            inner._original_forward = forward  # type: ignore[attr-defined]
+            inner.forward = MethodType(convert_outputs_to_fp32(autocast(forward.__func__)), inner)
+        model._zeropp_prepared = True  # type: ignore[attr-defined]
+        model._is_accelerate_prepared = True  # type: ignore[attr-defined]
+        self._models.append(model)
+        return model
+
+    def prepare_optimizer(self, optimizer: Optimizer, device_placement: bool | None = None) -> Optimizer:
+        if self.zero_engine is None:
+            return super().prepare_optimizer(optimizer, device_placement=device_placement)
+        if getattr(optimizer, "_is_accelerate_prepared", False):
+            if optimizer not in self._optimizers:
+                self._optimizers.append(optimizer)
+            return optimizer
+        self.engine.remap_optimizer(optimizer, self._zero_names_before, self._zero_params_after)
+        unsharded = [p for g in optimizer.param_groups for p in g["params"] if id(p) in self._zero_names_before
+                     and self._zero_params_after.get(self._zero_names_before[id(p)]) is not p]
+        if unsharded:
+            raise ValueError(
+                f"an optimizer holds {len(unsharded)} parameters of a model that was not prepared. Fix: pass the "
+                "model to accelerator.prepare() too (in the same call or an earlier one)."
+            )
+        wrapped = self.engine.wrap_optimizer(optimizer)
+        # device_placement=False: our wrappers hold state where the config puts it.
+        accelerated = AcceleratedOptimizer(wrapped, device_placement=False, scaler=self.scaler)
+        self._optimizers.append(accelerated)
+        return accelerated
+
+    # -- backward, accumulation, clipping ------------------------------------------------
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        if self.zero_engine is None:
+            return super().backward(loss, **kwargs)
+        loss = loss / self.gradient_accumulation_steps
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward(**kwargs)
+        else:
+            loss.backward(**kwargs)
+        if self.sync_gradients and self._zero_sync:
+            for model in self._models:
+                self.engine.reduce_replicated_grads(_unwrap(model))
+
+    @contextlib.contextmanager
+    def no_sync(self, model: Module) -> Generator[None, None, None]:
+        """No gradient communication in backward, at every stage (FSDP2 groups included)."""
+        if self.zero_engine is None or not getattr(model, "_zeropp_prepared", False):
+            with super().no_sync(model):
+                yield
+            return
+        self._zero_sync = False
+        try:
+            with self.engine.no_sync(model):
+                yield
+        finally:
+            self._zero_sync = True
+
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor:
+        """The global norm over every rank's shard (sharded grads), as DDP's at stage 1."""
+        if self.zero_engine is None:
+            return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+        self.unscale_gradients()
+        return clip_grad_norm_params(parameters, float(max_norm), norm_type=float(norm_type), ledger=self.engine.ledger)
+
+    # -- state --------------------------------------------------------------------------
+
+    def get_state_dict(self, model: Module, unwrap: bool = True) -> dict[str, Any]:
+        """Full state dict, gathered one tensor at a time to CPU; complete on the main
+        process, ``{}`` elsewhere (every process must call it: it is a collective)."""
+        if self.zero_engine is None or not getattr(model, "_zeropp_prepared", False):
+            return super().get_state_dict(model, unwrap=unwrap)
+        return full_model_state(_unwrap(model), keep=self.is_main_process, ledger=self.engine.ledger)
+
+    def _zero_objects(self) -> tuple[dict[str, Module], dict[str, Optimizer]]:
+        modules = {f"model_{i}": _unwrap(m) for i, m in enumerate(self._models)}
+        optimizers = {f"optimizer_{i}": o.optimizer for i, o in enumerate(self._optimizers)}
+        return modules, optimizers
+
+    @contextlib.contextmanager
+    def _without_models(self) -> Generator[None, None, None]:
+        models, optimizers = self._models, self._optimizers
+        self._models, self._optimizers = [], []
+        try:
+            yield
+        finally:
+            self._models, self._optimizers = models, optimizers
+
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> str:
+        """Accelerate's ``save_state`` (schedulers, samplers, RNG, scaler, custom objects)
+        plus our models and optimizers: sharded (every rank writes) in
+        ``<output_dir>/zeropp_state``, or one full file with ``state_dict_type="full"``."""
+        if self.zero_engine is None:
+            return super().save_state(output_dir, safe_serialization, **kwargs)
+        with self._without_models():
+            location = super().save_state(output_dir, safe_serialization, **kwargs)
+        location = self._broadcast_str(location)
+        for hook in self._save_model_state_pre_hook.values():
+            hook(self._models, [], location)
+        modules, optimizers = self._zero_objects()
+        save_objects(
+            Path(location) / _STATE_DIR, modules, optimizers, {},
+            full=self.zero_config.resolved_state_dict_type() == "full", rank_zero=self.is_main_process,
+            barrier=self.wait_for_everyone, broadcast=self._broadcast_obj, unwrap=lambda m: m,
+            ledger=self.engine.ledger,
+            info={"stage": self.engine.stage, "world_size": self.num_processes, "config": self.zero_config.to_dict(),
+                  "front_end": "accelerate"},
+        )
+        return location
+
+    def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs: Any) -> None:
+        if self.zero_engine is None:
+            return super().load_state(input_dir, load_kwargs=load_kwargs, **kwargs)
+        with self._without_models():
+            super().load_state(input_dir, load_kwargs=load_kwargs, **kwargs)
+        location = input_dir if input_dir is not None else self._latest_checkpoint()
+        for hook in self._load_model_state_pre_hook.values():
+            hook(self._models, location)
+        modules, optimizers = self._zero_objects()
+        load_objects(Path(location) / _STATE_DIR, modules, optimizers, strict=True, weights_only=None,
+                     unwrap=lambda m: m)
+        return None
+
+    def _latest_checkpoint(self) -> str:
+        root = os.path.join(self.project_dir, "checkpoints")
+        folders = sorted(
+            (os.path.join(root, f) for f in os.listdir(root)),
+            key=lambda f: int(re.findall(r"[\/]?([0-9]+)(?=[^\/]*$)", f)[0]),
+        )
+        return folders[-1]
+
+    def _broadcast_obj(self, obj: Any) -> Any:
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, 0)
+        return box[0]
+
+    def _broadcast_str(self, value: str) -> str:
+        return str(self._broadcast_obj(value))
+
+    def free_memory(self, *objects: Any) -> Any:
+        for opt in self._optimizers:
+            close_offload(opt)
+        return super().free_memory(*objects)
+
+    @property
+    def comm_ledger(self) -> Any:
+        return self.engine.ledger
+
+    def is_sharded(self, model: Module) -> bool:
+        return bool(fsdp_modules(_unwrap(model)))
