@@ -75,7 +75,7 @@ MiB = 2**20
 RESULTS = Path(__file__).resolve().parent / "results"
 ADAM_IMPLS = ("forloop", "foreach", "fused", "ours")
 ADAM_BYTES_PER_ELEM = 28  # fp32: read param, grad, exp_avg, exp_avg_sq; write param, exp_avg, exp_avg_sq
-E2E_CELLS = ("none", "none_fused", "opt_cpu", "opt_nvme", "opt_cpu_param_cpu")
+E2E_CELLS = ("none", "none_fused", "opt_cpu", "opt_nvme", "opt_cpu_param_cpu", "opt_nvme_param_nvme")
 TARGET = 0.70  # swap path bandwidth / dd bandwidth
 
 
@@ -623,6 +623,7 @@ def _e2e_strategy_kwargs(cell: str, d: Path, args: argparse.Namespace) -> dict:
         "opt_cpu": {"offload_optimizer": "cpu"},
         "opt_nvme": {"offload_optimizer": nvme},
         "opt_cpu_param_cpu": {"offload_optimizer": "cpu", "offload_param": "cpu"},
+        "opt_nvme_param_nvme": {"offload_optimizer": nvme, "offload_param": {"device": "nvme", "nvme_path": str(d)}},
     }[cell]
 
 
@@ -650,7 +651,7 @@ def run_e2e_cell(cell: str, args: argparse.Namespace, d: Path) -> dict:
     for name in ("lightning.pytorch", "lightning.fabric", "lightning_fabric", "pytorch_lightning", "zeropp_strategy"):
         logging.getLogger(name).setLevel(logging.WARNING)
     stage = args.stage
-    if cell == "opt_cpu_param_cpu" and stage != 3:
+    if cell in ("opt_cpu_param_cpu", "opt_nvme_param_nvme") and stage != 3:
         stage = 3  # parameter offload needs stage 3
     seed_everything(0, verbose=False)
     n_steps = args.e2e_warmup + args.e2e_steps + 1
@@ -735,6 +736,7 @@ E2E_LABELS = {
     "opt_cpu": "offload_optimizer=cpu",
     "opt_nvme": "offload_optimizer=nvme",
     "opt_cpu_param_cpu": "offload_optimizer=cpu + offload_param=cpu",
+    "opt_nvme_param_nvme": "offload_optimizer=nvme + offload_param=nvme",
 }
 
 

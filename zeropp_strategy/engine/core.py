@@ -6,9 +6,10 @@ objects is the same and lives here, once:
 
 - ``start``: after the default process group exists, detect the topology, build the
   device meshes and the CommLedger, bind the precision plugin;
-- ``wrap_model``: stage 1 wraps the module in DDP (all-reduce booked by a ledger hook);
-  stages 2/3 apply FSDP2 with our comm objects (``engine.fsdp.shard_module``), plus
-  NVMe parameter offload where configured;
+- ``prepare_stage1`` + ``wrap_ddp``: stage 1 materializes the module and wraps it in DDP
+  (all-reduce booked by a ledger hook); ``shard`` + ``module_to_device``: stages 2/3 apply
+  FSDP2 with our comm objects (``engine.fsdp.shard_module``), plus NVMe parameter offload
+  (``offload.params.ParamStore``) where configured;
 - ``wrap_optimizer``: stage 1's ``ShardedOptimizer``, then ``OffloadOptimizer`` where
   configured; ``remap_optimizer`` first re-points an optimizer built before sharding at
   the sharded parameters (by name);

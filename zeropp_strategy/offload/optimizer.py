@@ -24,8 +24,9 @@ Why a second optimizer of the same class rather than our own Adam: the user's
 semantics (every hyper-parameter, ``amsgrad``, ``maximize``, parameters skipped when their
 grad is None, per-parameter step counts) come for free, for any optimizer whose update is
 elementwise. For Adam, AdamW, SGD and Adagrad the host optimizer uses PyTorch's fused CPU
-kernel unless the user chose ``foreach``/``fused`` explicitly: benchmarks/offload.py
-measures it 5-10x faster than the for-loop and foreach paths on CPU.
+kernel unless the user chose ``foreach``/``fused`` explicitly: on a 2-core VM
+``benchmarks/offload.py --part adam`` measured AdamW over 16M params at 1253 Mparams/s
+fused vs 147 foreach and 97 for-loop (8-13x), and this optimizer at 1172 (0.94x fused).
 
 An optimizer whose update is not elementwise (Adafactor's row/column statistics, LBFGS)
 would compute those statistics per shard here, so it is refused with an error;

@@ -12,10 +12,12 @@ freed memory. What makes them *rest* on disk:
   from this process (``madvise(MADV_DONTNEED)``: for a shared file mapping the data stays
   in the file and the page cache, which the kernel reclaims under pressure);
 - after the optimizer steps a batch of parameters, the same for those parameters, after
-  an asynchronous ``msync`` that starts writing them back;
+  an ``msync`` that writes them back (synchronous: Python's ``mmap.flush``);
 - ahead of each group's all-gather, ``madvise(MADV_WILLNEED)`` asks the kernel to read
-  the groups that followed it last time (the order is learned from the previous step),
-  so their pages are read from disk while the current group computes.
+  the groups that followed it last time, so their pages are read from disk while the
+  current group computes. The order is learned from the previous step and keyed by the
+  last *two* groups: forward and backward visit the blocks in opposite orders, so the
+  successor of block k is k+1 after (k-1, k) and k-1 after (k+1, k).
 
 Resident parameter memory is then the groups being gathered plus those prefetched, not
 P/N. Gradients are not swapped: FSDP2 keeps the reduced shards in host RAM until the step.
@@ -78,8 +80,11 @@ class ParamStore:
         self._dir = SwapDir(config.nvme_path, rank, field="offload_param")
         self._regions: dict[int, _Region] = {}  # id(sharded param) -> its region
         self._group_regions: dict[int, list[_Region]] = {}
-        self._next: dict[int, int] = {}  # group id -> the group unsharded after it last time
+        self._next: dict[int, int] = {}  # group -> the group unsharded after it last time
+        self._next2: dict[tuple[int, int], int] = {}  # (previous, group) -> the one after them
         self._last: int | None = None
+        self._prev: int | None = None
+        self._closed = False
         self._groups: dict[int, Any] = {}
         self._maps: list[mmap.mmap] = []
         self._files: list[SwapFile] = []
@@ -154,23 +159,37 @@ class ParamStore:
             finally:
                 # The copy-in has read the shards (host tensors are copied synchronously,
                 # and unpinned ones are staged before a device copy returns).
-                for region in self._group_regions[gid]:
-                    region.evict(dirty=False)
+                if not self._closed:
+                    for region in self._group_regions[gid]:
+                        region.evict(dirty=False)
 
         group.unshard = unshard_from_nvme
 
     def _before_unshard(self, gid: int) -> None:
+        if self._closed:
+            return
         if self._last is not None and self._last != gid:
             self._next[self._last] = gid
+            if self._prev is not None:
+                self._next2[(self._prev, self._last)] = gid
+            self._prev = self._last
         self._last = gid
-        nxt, seen = gid, set()
-        for _ in range(self.prefetch):
-            nxt = self._next.get(nxt)
-            if nxt is None or nxt in seen:
-                break
-            seen.add(nxt)
+        for nxt in self.predicted(self.prefetch):
             for region in self._group_regions[nxt]:
                 region.prefetch()
+
+    def predicted(self, count: int) -> list[int]:
+        """The next ``count`` groups expected after the current one (learned order)."""
+        a, b, out = self._prev, self._last, []
+        while b is not None and len(out) < count:
+            c = self._next2.get((a, b)) if a is not None else None
+            if c is None:
+                c = self._next.get(b)
+            if c is None or c in out or c == self._last:
+                break
+            out.append(c)
+            a, b = b, c
+        return out
 
     # -- optimizer and lifetime --------------------------------------------------------------
 
@@ -179,13 +198,17 @@ class ParamStore:
 
     def prefetch_params(self, params: Iterable[Tensor]) -> None:
         """Ask the kernel to start reading ``params`` (the optimizer's next batch)."""
+        if self._closed:
+            return
         for p in params:
             region = self._regions.get(id(p))
             if region is not None:
                 region.prefetch()
 
     def release(self, params: Iterable[Tensor]) -> None:
-        """After the optimizer stepped ``params``: start their write-back, drop their pages."""
+        """After the optimizer stepped ``params``: write them back, drop their pages."""
+        if self._closed:
+            return
         for p in params:
             region = self._regions.get(id(p))
             if region is not None:
@@ -218,7 +241,11 @@ class ParamStore:
 
     def close(self) -> None:
         """Remove the swap directory. The mappings stay valid (the files are unlinked, not
-        unmapped) for as long as the parameters that view them exist."""
+        unmapped) for as long as the parameters that view them exist; from now on the
+        parameters simply stay resident (no more advice on the closed files). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         for f in self._files:
             f.close()
         self._dir.close()

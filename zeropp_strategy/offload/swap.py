@@ -105,6 +105,7 @@ class SwapDir:
         prefix = f"{_PREFIX}{socket.gethostname()}-{os.getpid()}-rank{rank}-"
         self.path = Path(tempfile.mkdtemp(prefix=prefix, dir=base))  # mkdtemp: mode 0700
         self.root = base
+        self.field = field
         self._finalizer = weakref.finalize(self, shutil.rmtree, str(self.path), True)
 
     def ensure_space(self, nbytes: int) -> None:
@@ -112,7 +113,7 @@ class SwapDir:
         if free < nbytes:
             raise OSError(
                 errno.ENOSPC,
-                f"not enough space for optimizer swap files under {self.root}: need {nbytes} bytes "
+                f"not enough space for {self.field} swap files under {self.root}: need {nbytes} bytes "
                 f"({nbytes / 2**30:.2f} GiB) on this rank, {free} bytes free. Fix: free space, point nvme_path at a "
                 "larger drive, or offload to 'cpu'",
             )
