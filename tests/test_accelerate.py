@@ -221,3 +221,24 @@ def test_four_models_accumulate_without_traffic_save_model_and_state(tmp_path):
     assert out[0]["actor_hf_diff"] == 0.0 and out[0]["actor_weights_diff"] == 0.0, out[0]
     assert out[0]["generates"], out[0]
     assert out[0]["restored"] == 0.0, out[0]
+
+
+def test_offload_on_cuda_asks_accelerate_for_gloo_beside_nccl(monkeypatch):
+    """Offloaded shards are host tensors: the process group needs gloo for them (no GPU is
+    needed to check what is asked of Accelerate)."""
+    from datetime import timedelta
+
+    from accelerate.utils import InitProcessGroupKwargs
+
+    from zeropp_strategy.accelerate import _with_offload_backend
+    from zeropp_strategy.config import ZeroConfig
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    off = ZeroConfig(stage=3, offload_optimizer="cpu")
+    (h,) = _with_offload_backend(off, {})["kwargs_handlers"]
+    assert h.backend == "cpu:gloo,cuda:nccl"
+    mine = InitProcessGroupKwargs(timeout=timedelta(seconds=99))
+    (h,) = _with_offload_backend(off, {"kwargs_handlers": [mine]})["kwargs_handlers"]
+    assert h.backend == "cpu:gloo,cuda:nccl" and h.timeout == timedelta(seconds=99) and mine.backend == "nccl"
+    assert "kwargs_handlers" not in _with_offload_backend(ZeroConfig(stage=3), {})
+    assert "kwargs_handlers" not in _with_offload_backend(off, {"cpu": True})

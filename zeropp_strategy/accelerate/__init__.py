@@ -41,7 +41,7 @@ from torch.optim import Optimizer
 
 from zeropp_strategy.checkpoint.objects import load_objects, save_objects
 from zeropp_strategy.config import ZeroConfig
-from zeropp_strategy.engine.core import ZeroEngine, check_offload_paths, close_offload
+from zeropp_strategy.engine.core import ZeroEngine, check_offload_paths, close_offload, default_backend
 from zeropp_strategy.engine.fsdp import fsdp_modules
 from zeropp_strategy.engine.state import full_model_state
 from zeropp_strategy.precision import ShardedGradScaler, ZeroPPPrecision, clip_grad_norm_params
@@ -67,6 +67,31 @@ def config_from_env() -> ZeroConfig:
             "DeepSpeed JSON config, or unset it for the default (stage 3)."
         )
     return ZeroConfig.from_file(path)
+
+
+def _with_offload_backend(config: ZeroConfig, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """With offload on CUDA, ask Accelerate for gloo beside NCCL (``engine.core.default_backend``):
+    offloaded shards are host tensors, and c10d picks the backend by the tensor's device.
+    A user's own ``InitProcessGroupKwargs`` keeps its settings; only its backend is set,
+    and only when it is still Accelerate's default ("nccl")."""
+    import dataclasses
+
+    from accelerate.utils import InitProcessGroupKwargs
+
+    if kwargs.get("cpu") or not torch.cuda.is_available():
+        return kwargs
+    backend = default_backend(config, torch.device("cuda"))
+    if backend == "nccl":
+        return kwargs
+    handlers = list(kwargs.get("kwargs_handlers") or [])
+    for i, h in enumerate(handlers):
+        if isinstance(h, InitProcessGroupKwargs):
+            if h.backend == "nccl":
+                handlers[i] = dataclasses.replace(h, backend=backend)
+            break
+    else:
+        handlers.append(InitProcessGroupKwargs(backend=backend))
+    return {**kwargs, "kwargs_handlers": handlers}
 
 
 def _unwrap(model: Module) -> Module:
@@ -98,6 +123,7 @@ class ZeroPPAccelerator(Accelerator):
             # Under torchrun without CUDA, Accelerate would pick DistributedType.NO and every
             # process would train alone; on the CPU it forms the gloo group (MULTI_CPU).
             kwargs.setdefault("cpu", True)
+        kwargs = _with_offload_backend(config, kwargs)
         if config.gather_16bit is None:  # Accelerate's mixed precision: autocast over fp32 weights
             config = config.replace(gather_16bit=False)
         super().__init__(*args, **kwargs)
