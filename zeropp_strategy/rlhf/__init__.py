@@ -1,0 +1,1 @@
+"""RLHF building blocks (the InstructGPT / DeepSpeed-Chat pipeline): formulas in ``ops``."""
