@@ -91,6 +91,10 @@ class ParamStore:
         try:
             self._rehome(root)
         except BaseException:
+            # Shards already re-homed view the mappings, so those stay; the files and the
+            # directory go now rather than at garbage collection.
+            for f in self._files:
+                f.close()
             self._dir.close()
             raise
 
