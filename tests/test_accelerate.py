@@ -149,7 +149,7 @@ def test_zeropp_config_env_errors_name_the_variable(tmp_path, monkeypatch):
     assert config_from_env().stage == 2
 
 
-def _rlhf_like_worker(rank, world, tmp):
+def _rlhf_like_worker(rank, world, tmp, stage):
     """Four models prepared in three calls (two trainable with their optimizers, two frozen),
     gradient accumulation without gradient traffic on the non-boundary micro-batch,
     ``save_model`` in Hugging Face format, ``save_state``/``load_state`` of all of them."""
@@ -159,13 +159,19 @@ def _rlhf_like_worker(rank, world, tmp):
     from zeropp_strategy.accelerate import ZeroPPAccelerator
     from zeropp_strategy.comm.ledger import CommKind
 
-    accelerator = ZeroPPAccelerator(gradient_accumulation_steps=2, zero_config={"stage": 3})
+    accelerator = ZeroPPAccelerator(gradient_accumulation_steps=2, zero_config={"stage": stage})
     torch.manual_seed(0)
     actor, critic, ref, reward = (LlamaForCausalLM(tiny_llama_config()) for _ in range(4))
     for frozen in (ref, reward):
         frozen.requires_grad_(False).eval()
     opt_a = torch.optim.AdamW(actor.parameters(), lr=1e-3)
     opt_c = torch.optim.AdamW(critic.parameters(), lr=1e-3)
+    stray = LlamaForCausalLM(tiny_llama_config())
+    try:  # an optimizer whose model was never prepared would update copies nobody uses
+        accelerator.prepare(torch.optim.SGD(stray.parameters(), lr=0.1))
+        out = {"unprepared_refused": False}
+    except ValueError as e:
+        out = {"unprepared_refused": "accelerator.prepare()" in str(e)}
     actor, opt_a = accelerator.prepare(actor, opt_a)
     opt_c, critic = accelerator.prepare(opt_c, critic)
     ref, reward = accelerator.prepare(ref, reward)
@@ -184,7 +190,7 @@ def _rlhf_like_worker(rank, world, tmp):
             opt_a.step(), opt_c.step()
             opt_a.zero_grad(), opt_c.zero_grad()
         reduce_bytes.append(ledger.totals(CommKind.GRAD_REDUCE).total_bytes - before)
-    out = {"reduce_bytes": reduce_bytes}
+    out["reduce_bytes"] = reduce_bytes
     # save_model (Accelerate's own, weights only) and the usual HF pattern, both through
     # our get_state_dict (a collective: every rank calls it).
     accelerator.save_model(actor, str(Path(tmp) / "actor_weights"))
@@ -201,7 +207,10 @@ def _rlhf_like_worker(rank, world, tmp):
         loaded = LlamaForCausalLM.from_pretrained(str(Path(tmp) / "actor_hf"))
         out["actor_hf_diff"] = max((loaded.state_dict()[k] - v).abs().max().item() for k, v in full.items())
         out["generates"] = loaded.generate(ids[:1, :4], max_new_tokens=3, do_sample=False).shape[1] == 7
+    hook_calls = []
+    accelerator.register_save_state_pre_hook(lambda models, weights, d: hook_calls.append(len(models)))
     accelerator.save_state(str(Path(tmp) / "state"))
+    out["hook_calls"] = hook_calls
     critic_before = accelerator.get_state_dict(critic)
     with torch.no_grad():
         for p in accelerator.unwrap_model(critic).parameters():
@@ -214,9 +223,11 @@ def _rlhf_like_worker(rank, world, tmp):
     return out
 
 
-def test_four_models_accumulate_without_traffic_save_model_and_state(tmp_path):
-    out = run_ranks(_rlhf_like_worker, 2, (str(tmp_path),), timeout_s=600)
+@pytest.mark.parametrize("stage", [1, 3])
+def test_four_models_accumulate_without_traffic_save_model_and_state(tmp_path, stage):
+    out = run_ranks(_rlhf_like_worker, 2, (str(tmp_path), stage), timeout_s=600)
     for rank, r in enumerate(out):
+        assert r["unprepared_refused"] and r["hook_calls"] == [4], (rank, r)
         assert r["reduce_bytes"][0] == 0 and r["reduce_bytes"][1] > 0, (rank, r)
     assert out[0]["actor_hf_diff"] == 0.0 and out[0]["actor_weights_diff"] == 0.0, out[0]
     assert out[0]["generates"], out[0]

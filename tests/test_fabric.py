@@ -29,7 +29,7 @@ def _fabric(strategy, world):
     return fabric
 
 
-def _loop(fabric, steps, *, optimizer_first=True, meta=False, state=None, ckpt_in=None, ckpt_out=None, save_at=None):
+def _loop(fabric, steps, *, optimizer_first=True, meta=False, separate=False, state=None, ckpt_in=None, ckpt_out=None, save_at=None):
     from torch.utils.data import DataLoader
 
     from tests._models import Net, dataset
@@ -41,7 +41,11 @@ def _loop(fabric, steps, *, optimizer_first=True, meta=False, state=None, ckpt_i
     else:
         torch.manual_seed(1234)
         model = Net()
-    if optimizer_first:
+    if separate:  # optimizer built over the unsharded model, set up in a later call
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+        model = fabric.setup_module(model)
+        optimizer = fabric.setup_optimizers(optimizer)
+    elif optimizer_first:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
         model, optimizer = fabric.setup(model, optimizer)
     else:
@@ -92,11 +96,12 @@ def _parity_worker(rank, world, tmp):
     ref = _full(ref_fabric, *_loop(ref_fabric, 6))[0]
     out = {}
     for name in STAGES:
-        for variant in ("optimizer_first", "optimizer_after", "meta"):
+        for variant in ("optimizer_first", "optimizer_after", "separate", "meta"):
             if variant == "meta" and name == "zeropp_stage_1":
                 continue  # stage 1 materializes full tensors; covered by the others
             fabric = _fabric(name, world)
-            model, opt = _loop(fabric, 6, optimizer_first=variant != "optimizer_after", meta=variant == "meta")
+            model, opt = _loop(fabric, 6, optimizer_first=variant != "optimizer_after", meta=variant == "meta",
+                               separate=variant == "separate")
             if variant == "meta":  # meta init draws other numbers; check it trains, not parity
                 state = _full(fabric, model, opt)[0]
                 out[(name, variant)] = float(all(torch.isfinite(v).all() for v in state.values()))

@@ -43,7 +43,7 @@ from torch.optim import Optimizer
 from zeropp_strategy._process import ProcessMixin
 from zeropp_strategy.checkpoint.objects import load_objects, save_objects, split_state, stateful
 from zeropp_strategy.config import ZeroConfig
-from zeropp_strategy.engine.core import ZeroEngine, close_offload, named_params_by_id
+from zeropp_strategy.engine.core import ZeroEngine, broadcast_module, close_offload
 from zeropp_strategy.engine.fsdp import fsdp_modules, has_meta
 from zeropp_strategy.precision import ZeroPPPrecision, clip_grad_norm, clip_grad_value
 from zeropp_strategy.strategy import PRESETS, _resolve_config
@@ -93,6 +93,8 @@ class ZeroPPFabricStrategy(ProcessMixin, ParallelStrategy):
         self._grad_sync = True
         self._optimizers: list[Optimizer] = []
         self._modules: list[Module] = []
+        self._names_before: dict[int, str] = {}  # id(param before setup) -> "<module index>.<name>"
+        self._params_after: dict[str, Any] = {}  # "<module index>.<name>" -> the param after setup
 
     # -- sizes and identity -------------------------------------------------------------
 
@@ -152,29 +154,26 @@ class ZeroPPFabricStrategy(ProcessMixin, ParallelStrategy):
     def setup_module_and_optimizers(
         self, module: Module, optimizers: list[Optimizer], scheduler: Any = None
     ) -> tuple[Module, list[Optimizer], Any]:
-        before = named_params_by_id([module])
         module = self.setup_module(module)
-        inner = module.module if isinstance(module, DistributedDataParallel) else module
-        after = {f"0.{n}": p for n, p in inner.named_parameters(remove_duplicate=False)}
-        for opt in optimizers:
-            self.engine.remap_optimizer(opt, before, after)
         return module, [self.setup_optimizer(opt) for opt in optimizers], scheduler
 
     def setup_module(self, module: Module) -> Module:
         if fsdp_modules(module) or isinstance(module, DistributedDataParallel):
             return module  # already set up
+        index = len(self._modules)
+        self._names_before.update({id(p): f"{index}.{n}" for n, p in module.named_parameters(remove_duplicate=False)})
         module = self._setup_module(module)
+        inner = module.module if isinstance(module, DistributedDataParallel) else module
+        self._params_after.update({f"{index}.{n}": p for n, p in inner.named_parameters(remove_duplicate=False)})
         self._modules.append(module)
         return module
 
     def _setup_module(self, module: Module) -> Module:
         if self.stage == 1:
-            module = self.engine.prepare_stage1(module)
-            if self.config.activation_checkpointing:
-                from zeropp_strategy.engine.wrap import apply_activation_checkpointing, select_blocks
-
-                apply_activation_checkpointing(select_blocks(
-                    module, wrap_modules=self.config.wrap_modules, wrap_min_params=self.config.wrap_min_params))
+            module = self.engine.prepare_stage1(module, checkpoint=True)
+            if not any(p.requires_grad for p in module.parameters()):
+                broadcast_module(module)  # DDP would refuse a model with nothing to train
+                return module
             return self.engine.wrap_ddp(module)
         module = self.engine.precision.convert_module(module)
         self.engine.shard(module)
@@ -182,6 +181,11 @@ class ZeroPPFabricStrategy(ProcessMixin, ParallelStrategy):
         return module
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """Re-points an optimizer built over unsharded parameters (before ``setup_module``)
+        at the sharded ones, by name, then wraps it (stage 1 state sharding, offload)."""
+        self.engine.remap_optimizer(
+            optimizer, self._names_before, self._params_after,
+            fix="call fabric.setup(model, optimizer), or fabric.setup_module(model) before setup_optimizers.")
         wrapped = self.engine.wrap_optimizer(optimizer)
         self._optimizers.append(wrapped)
         return wrapped

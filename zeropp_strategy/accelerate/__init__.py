@@ -41,7 +41,13 @@ from torch.optim import Optimizer
 
 from zeropp_strategy.checkpoint.objects import load_objects, save_objects
 from zeropp_strategy.config import ZeroConfig
-from zeropp_strategy.engine.core import ZeroEngine, check_offload_paths, close_offload, default_backend
+from zeropp_strategy.engine.core import (
+    ZeroEngine,
+    broadcast_module,
+    check_offload_paths,
+    close_offload,
+    default_backend,
+)
 from zeropp_strategy.engine.fsdp import fsdp_modules
 from zeropp_strategy.engine.state import full_model_state
 from zeropp_strategy.precision import ShardedGradScaler, ZeroPPPrecision, clip_grad_norm_params
@@ -185,9 +191,13 @@ class ZeroPPAccelerator(Accelerator):
         for name, p in model.named_parameters(remove_duplicate=False):
             self._zero_names_before[id(p)] = f"{index}.{name}"
         if engine.stage == 1:
-            model = engine.prepare_stage1(model)
-            if not evaluation_mode:
+            model = engine.prepare_stage1(model, checkpoint=not evaluation_mode)
+            # As Accelerate does: a model with nothing to train (RLHF's frozen reference
+            # and reward models) is not wrapped in DDP, which would refuse it.
+            if not evaluation_mode and any(p.requires_grad for p in model.parameters()):
                 model = engine.wrap_ddp(model)
+            else:  # what DDP's construction would have done: every rank holds rank 0's values
+                broadcast_module(model)
         else:
             model = engine.precision.convert_module(model)
             engine.shard(model)
@@ -212,14 +222,9 @@ class ZeroPPAccelerator(Accelerator):
             if optimizer not in self._optimizers:
                 self._optimizers.append(optimizer)
             return optimizer
-        self.engine.remap_optimizer(optimizer, self._zero_names_before, self._zero_params_after)
-        unsharded = [p for g in optimizer.param_groups for p in g["params"] if id(p) in self._zero_names_before
-                     and self._zero_params_after.get(self._zero_names_before[id(p)]) is not p]
-        if unsharded:
-            raise ValueError(
-                f"an optimizer holds {len(unsharded)} parameters of a model that was not prepared. Fix: pass the "
-                "model to accelerator.prepare() too (in the same call or an earlier one)."
-            )
+        self.engine.remap_optimizer(
+            optimizer, self._zero_names_before, self._zero_params_after,
+            fix="pass its model to accelerator.prepare() in the same call as the optimizer or an earlier one.")
         wrapped = self.engine.wrap_optimizer(optimizer)
         # device_placement=False: our wrappers hold state where the config puts it.
         accelerated = AcceleratedOptimizer(wrapped, device_placement=False, scaler=self.scaler)
@@ -277,12 +282,17 @@ class ZeroPPAccelerator(Accelerator):
 
     @contextlib.contextmanager
     def _without_models(self) -> Generator[None, None, None]:
-        models, optimizers = self._models, self._optimizers
+        """Accelerate's own save/load_state without our models and optimizers (we write
+        those), and without its call of the state pre-hooks (we call them once, with the
+        models)."""
+        saved = (self._models, self._optimizers, self._save_model_state_pre_hook, self._load_model_state_pre_hook)
         self._models, self._optimizers = [], []
+        self._save_model_state_pre_hook, self._load_model_state_pre_hook = {}, {}
         try:
             yield
         finally:
-            self._models, self._optimizers = models, optimizers
+            (self._models, self._optimizers, self._save_model_state_pre_hook,
+             self._load_model_state_pre_hook) = saved
 
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> str:
         """Accelerate's ``save_state`` (schedulers, samplers, RNG, scaler, custom objects)
@@ -340,6 +350,12 @@ class ZeroPPAccelerator(Accelerator):
     def free_memory(self, *objects: Any) -> Any:
         for opt in self._optimizers:
             close_offload(opt)
+        if self.zero_engine is not None:
+            for store in self.zero_engine.param_stores:
+                store.close()
+            self.zero_engine.param_stores.clear()
+        self._zero_names_before.clear()
+        self._zero_params_after.clear()
         return super().free_memory(*objects)
 
     @property

@@ -20,7 +20,7 @@ objects is the same and lives here, once:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from typing import Any
 
@@ -241,11 +241,18 @@ class ZeroEngine:
             return
         module.to(self.device)
 
-    def prepare_stage1(self, module: nn.Module) -> nn.Module:
-        """Stage 1 before DDP: meta tensors materialized, precision applied, on the device."""
+    def prepare_stage1(self, module: nn.Module, *, checkpoint: bool = False) -> nn.Module:
+        """Stage 1 before DDP: meta tensors materialized, precision applied, on the device;
+        with ``checkpoint``, activation checkpointing on the selected blocks when the
+        config asks for it."""
         materialize(module, self.device)
         module = self.precision.convert_module(module)
         module.to(self.device)
+        if checkpoint and self.config.activation_checkpointing:
+            from zeropp_strategy.engine.wrap import apply_activation_checkpointing, select_blocks
+
+            apply_activation_checkpointing(select_blocks(
+                module, wrap_modules=self.config.wrap_modules, wrap_min_params=self.config.wrap_min_params))
         return module
 
     # -- optimizers ---------------------------------------------------------------------------
@@ -294,12 +301,16 @@ class ZeroEngine:
         return offload(optimizer)
 
     @staticmethod
-    def remap_optimizer(optimizer: Optimizer, before: dict[int, str], after: dict[str, nn.Parameter]) -> int:
+    def remap_optimizer(
+        optimizer: Optimizer, before: dict[int, str], after: dict[str, nn.Parameter], *, fix: str
+    ) -> int:
         """Point an optimizer built before sharding at the sharded parameters, by name.
 
         ``before``: id(original parameter) -> name; ``after``: name -> parameter now.
         Returns how many parameters were re-pointed. State must be empty (it is keyed by
-        the old parameters).
+        the old parameters), and every parameter must end up one of ``after``'s: one that
+        belongs to no set-up model would be updated where the sharded model never reads
+        it (``fix`` says how to avoid that, in the front-end's words).
         """
         moved = 0
         for group in optimizer.param_groups:
@@ -317,6 +328,13 @@ class ZeroEngine:
                 "an optimizer with state was created before the model was sharded, so its state belongs to the "
                 "unsharded parameters. Fix: prepare the model (and the optimizer) before the first step, or load "
                 "the optimizer state after prepare."
+            )
+        known = {id(p) for p in after.values()}
+        stray = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in known]
+        if stray:
+            raise ValueError(
+                f"an optimizer holds {len(stray)} parameters of no model set up for sharding, so it would update "
+                f"copies the sharded model never reads. Fix: {fix}"
             )
         return moved
 
@@ -395,6 +413,11 @@ class ZeroEngine:
         return result
 
 
-def named_params_by_id(modules: Iterable[nn.Module]) -> dict[int, str]:
-    """id(parameter) -> "<module index>.<name>" for ``remap_optimizer``."""
-    return {id(p): f"{i}.{n}" for i, m in enumerate(modules) for n, p in m.named_parameters(remove_duplicate=False)}
+@torch.no_grad()
+def broadcast_module(module: nn.Module) -> None:
+    """Every rank takes rank 0's parameters and buffers (what DDP's construction does), for
+    stage-1 models that are not wrapped in DDP because nothing in them trains."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    for t in [*module.parameters(), *module.buffers()]:
+        dist.broadcast(t.data, src=0)
