@@ -1,0 +1,96 @@
+"""Building the policy and reward networks: from a local ``from_pretrained`` folder, a
+hub name, or a transformers config dict (the embedded default trains from scratch).
+
+All of it runs inside ``LightningModule.configure_model`` so that ``zeropp`` at stages 2/3
+can create the model on the meta device and materialize only each rank's shard.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from zeropp_strategy.rlhf.ops import last_index
+
+__all__ = ["ScalarHeadModel", "build_causal_lm", "build_tokenizer", "tiny_llama_config"]
+
+
+def tiny_llama_config(**overrides: Any) -> dict[str, Any]:
+    """The embedded default: a small Llama-style config over ByT5's 384 byte ids."""
+    cfg = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 4,
+           "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 384, "max_position_embeddings": 64,
+           "tie_word_embeddings": False, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 1}
+    cfg.update(overrides)
+    return cfg
+
+
+def _config(spec: dict[str, Any]) -> Any:
+    from transformers import AutoConfig
+
+    spec = dict(spec)
+    model_type = spec.pop("model_type", None)
+    if model_type is None:
+        raise ValueError("model config dict has no 'model_type'. Fix: add e.g. model_type: llama to the recipe.")
+    return AutoConfig.for_model(model_type, **spec)
+
+
+def build_causal_lm(model: str | dict[str, Any], *, dtype: torch.dtype | None = None) -> nn.Module:
+    """``AutoModelForCausalLM`` from a folder/hub name, or from scratch from a config dict."""
+    from transformers import AutoModelForCausalLM
+
+    if isinstance(model, dict):
+        return AutoModelForCausalLM.from_config(_config(model), torch_dtype=dtype)
+    return AutoModelForCausalLM.from_pretrained(model, torch_dtype=dtype)
+
+
+def build_tokenizer(name: str | None) -> Any:
+    """A tokenizer from a folder/hub name; ``None`` or ``"byt5"``: transformers' byte-level
+    ByT5 tokenizer, which needs no vocabulary files (the embedded default)."""
+    if name in (None, "byt5"):
+        from transformers import ByT5Tokenizer
+
+        return ByT5Tokenizer()
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(name)
+    if tok.pad_token is None:  # masks come from lengths, so a pad equal to EOS is harmless
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+class ScalarHeadModel(nn.Module):
+    """A transformer backbone with a linear scalar head: the reward model and the critic.
+
+    ``forward`` returns the per-token values ``[batch, time]``; ``score`` the value at
+    each row's last real token, found from the attention mask (left or right padding).
+    """
+
+    def __init__(self, model: str | dict[str, Any] | nn.Module) -> None:
+        super().__init__()
+        from transformers import AutoModel
+
+        if isinstance(model, nn.Module):
+            self.backbone = model
+        elif isinstance(model, dict):
+            self.backbone = AutoModel.from_config(_config(model))
+        else:
+            self.backbone = AutoModel.from_pretrained(model)
+        hidden = self.backbone.config.hidden_size
+        self.head = nn.Linear(hidden, 1, bias=False)
+        nn.init.normal_(self.head.weight, std=1.0 / (hidden + 1) ** 0.5)
+
+    @classmethod
+    def from_causal_lm(cls, lm: nn.Module) -> ScalarHeadModel:
+        """The LM's transformer body (e.g. the SFT model's) under a fresh head."""
+        return cls(lm.get_decoder() if hasattr(lm, "get_decoder") else lm.base_model)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return self.head(hidden).squeeze(-1).float()
+
+    def score(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        values = self(input_ids, attention_mask)
+        last = last_index(attention_mask)
+        return values.gather(1, last.clamp(min=0).unsqueeze(1)).squeeze(1)

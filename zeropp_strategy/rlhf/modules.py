@@ -1,0 +1,221 @@
+"""LightningModules of the InstructGPT pipeline: ``SFTModule`` and ``RewardModule``.
+
+Each builds its networks in ``configure_model`` (meta-device friendly under ``zeropp``),
+runs under any Lightning strategy, and reads its data through ``rlhf.data``. Every
+hyper-parameter is an ``__init__`` argument, so LightningCLI recipes can set and override
+all of them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+from torch.utils.data import DataLoader
+
+from zeropp_strategy.rlhf import ops
+from zeropp_strategy.rlhf.data import PairCollator, SFTCollator, load_records
+from zeropp_strategy.rlhf.models import ScalarHeadModel, build_causal_lm, build_tokenizer, tiny_llama_config
+
+__all__ = ["RewardModule", "SFTModule"]
+
+
+class _Base(LightningModule):
+    def __init__(
+        self,
+        *,
+        model: str | dict[str, Any] | None,
+        tokenizer: str | None,
+        data: str,
+        batch_size: int,
+        max_length: int,
+        lr: float,
+        weight_decay: float,
+        val_fraction: float,
+        seed: int,
+    ) -> None:
+        super().__init__()
+        self.model_spec = model if model is not None else tiny_llama_config()
+        self.tokenizer = build_tokenizer(tokenizer)
+        self.data, self.batch_size, self.max_length = data, batch_size, max_length
+        self.lr, self.weight_decay, self.val_fraction, self.seed = lr, weight_decay, val_fraction, seed
+        if not 0.0 <= val_fraction < 1.0:
+            raise ValueError(f"val_fraction={val_fraction} is invalid: it must be in [0, 1). Fix: e.g. 0.1.")
+        self._train: list[dict[str, str]] | None = None
+        self._val: list[dict[str, str]] | None = None
+
+    def _split(self, kind: str) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+        if self._train is None:
+            records = load_records(self.data, kind=kind)
+            g = torch.Generator().manual_seed(self.seed)
+            order = torch.randperm(len(records), generator=g).tolist()
+            n_val = int(len(records) * self.val_fraction)
+            self._val = [records[i] for i in order[:n_val]]
+            self._train = [records[i] for i in order[n_val:]]
+        assert self._val is not None
+        return self._train, self._val
+
+    def configure_optimizers(self) -> Any:
+        params = [p for p in self.parameters() if p.requires_grad]
+        return torch.optim.AdamW(params, lr=self.lr, weight_decay=self.weight_decay)
+
+
+class SFTModule(_Base):
+    """Supervised fine-tuning of a causal LM on prompt/response records.
+
+    The loss covers the response tokens and the EOS (the prompt is masked by its tokenized
+    length; ``train_on_prompt=True`` trains on everything). Validation logs the loss and
+    the perplexity ``exp(loss)``.
+
+    Args:
+        model: a ``from_pretrained`` folder or hub name, or a transformers config dict
+            (trained from scratch). Default: the embedded tiny Llama.
+        tokenizer: a folder/hub name, or ``None``/``"byt5"`` (byte-level, no files).
+        data: a ``.jsonl`` file, a ``datasets`` name, or ``"embedded:addition"``.
+        train_on_prompt: also train on the prompt tokens.
+        batch_size, max_length, lr, weight_decay: as usual.
+        val_fraction: part of the records held out for validation.
+        seed: the train/validation split.
+    """
+
+    def __init__(
+        self,
+        model: str | dict[str, Any] | None = None,
+        tokenizer: str | None = None,
+        data: str = "embedded:addition",
+        train_on_prompt: bool = False,
+        batch_size: int = 32,
+        max_length: int = 64,
+        lr: float = 1e-3,
+        weight_decay: float = 0.0,
+        val_fraction: float = 0.05,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(model=model, tokenizer=tokenizer, data=data, batch_size=batch_size, max_length=max_length,
+                         lr=lr, weight_decay=weight_decay, val_fraction=val_fraction, seed=seed)
+        self.save_hyperparameters()
+        self.train_on_prompt = train_on_prompt
+        self.model: torch.nn.Module | None = None
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = build_causal_lm(self.model_spec)
+
+    def _loader(self, records: list[dict[str, str]], shuffle: bool) -> DataLoader:
+        collate = SFTCollator(self.tokenizer, max_length=self.max_length, train_on_prompt=self.train_on_prompt)
+        return DataLoader(records, batch_size=self.batch_size, shuffle=shuffle, collate_fn=collate,
+                          generator=torch.Generator().manual_seed(self.seed))
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self._split("sft")[0], shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self._split("sft")[1], shuffle=False)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        assert self.model is not None
+        loss = self.model(**batch).loss
+        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        assert self.model is not None
+        loss = self.model(**batch).loss
+        self.log("val_loss", loss, sync_dist=True)
+        self.log("val_ppl", math.exp(min(loss.item(), 50.0)), sync_dist=True)
+
+
+class RewardModule(_Base):
+    """A pairwise reward model: causal-LM backbone, scalar head at the last real token.
+
+    Loss: ``-log sigmoid(r_chosen - r_rejected - margin)``, plus
+    ``center_coef * mean((r_chosen + r_rejected)^2)`` when ``center_coef > 0`` (keeps the
+    scores near 0). Logs pairwise accuracy and the mean chosen/rejected scores; the mean and
+    std of the scores seen in validation are stored in the checkpoint
+    (``reward_mean``/``reward_std``) for reward normalisation in PPO.
+
+    Args:
+        model: as ``SFTModule`` (a causal LM folder: its transformer body is used), or the
+            SFT stage's output folder.
+        margin: the pairwise margin (0 = plain Bradley-Terry).
+        center_coef: reward-centering coefficient (0 = off).
+        (others as ``SFTModule``)
+    """
+
+    def __init__(
+        self,
+        model: str | dict[str, Any] | None = None,
+        tokenizer: str | None = None,
+        data: str = "embedded:addition",
+        margin: float = 0.0,
+        center_coef: float = 0.0,
+        batch_size: int = 32,
+        max_length: int = 64,
+        lr: float = 1e-3,
+        weight_decay: float = 0.0,
+        val_fraction: float = 0.1,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(model=model, tokenizer=tokenizer, data=data, batch_size=batch_size, max_length=max_length,
+                         lr=lr, weight_decay=weight_decay, val_fraction=val_fraction, seed=seed)
+        self.save_hyperparameters()
+        self.margin, self.center_coef = margin, center_coef
+        self.model: ScalarHeadModel | None = None
+        self.reward_mean, self.reward_std = 0.0, 1.0
+        self._val_scores: list[torch.Tensor] = []
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            spec = self.model_spec
+            self.model = ScalarHeadModel(spec if isinstance(spec, dict) else build_causal_lm(spec).get_decoder())
+
+    def _loader(self, records: list[dict[str, str]], shuffle: bool) -> DataLoader:
+        return DataLoader(records, batch_size=self.batch_size, shuffle=shuffle,
+                          collate_fn=PairCollator(self.tokenizer, max_length=self.max_length),
+                          generator=torch.Generator().manual_seed(self.seed))
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self._split("preferences")[0], shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self._split("preferences")[1], shuffle=False)
+
+    def _scores(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.model is not None
+        scores = self.model.score(batch["input_ids"], batch["attention_mask"])
+        half = scores.shape[0] // 2
+        return scores[:half], scores[half:]
+
+    def _step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
+        chosen, rejected = self._scores(batch)
+        loss = ops.pairwise_reward_loss(chosen, rejected, margin=self.margin)
+        if self.center_coef > 0:
+            loss = loss + self.center_coef * (chosen + rejected).pow(2).mean()
+        self.log(f"{stage}_loss", loss, sync_dist=True, prog_bar=stage == "train")
+        self.log(f"{stage}_accuracy", (chosen > rejected).float().mean(), sync_dist=True, prog_bar=True)
+        self.log(f"{stage}_chosen", chosen.mean(), sync_dist=True)
+        self.log(f"{stage}_rejected", rejected.mean(), sync_dist=True)
+        if stage == "val":
+            self._val_scores.append(torch.cat([chosen, rejected]).detach().float())
+        return loss
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self._step(batch, "train")
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self._step(batch, "val")
+
+    def on_validation_epoch_end(self) -> None:
+        if self._val_scores:
+            scores = self.all_gather(torch.cat(self._val_scores)).flatten()
+            self.reward_mean, self.reward_std = scores.mean().item(), scores.std().clamp(min=1e-6).item()
+            self._val_scores.clear()
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["reward_stats"] = {"mean": self.reward_mean, "std": self.reward_std}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        stats = checkpoint.get("reward_stats", {})
+        self.reward_mean, self.reward_std = stats.get("mean", 0.0), stats.get("std", 1.0)
