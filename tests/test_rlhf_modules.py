@@ -72,3 +72,52 @@ def test_reward_model_trains_and_stores_its_statistics(tmp_path):
     trainer.save_checkpoint(path)
     saved = torch.load(path, weights_only=True)
     assert saved["reward_stats"] == {"mean": module.reward_mean, "std": module.reward_std}
+
+
+def test_dpo_starts_at_log2_and_keeps_the_reference_frozen_and_in_eval(tmp_path):
+    from zeropp_strategy.rlhf.modules import DPOModule, sequence_logprobs
+
+    torch.manual_seed(0)
+    module = DPOModule(model={**SMALL, "attention_dropout": 0.1}, batch_size=8)
+    module.configure_model()
+    batch = next(iter(module.train_dataloader()))
+    module.eval()
+    with torch.no_grad():  # policy == reference at the start: every implicit reward is 0
+        assert module._step(batch, "val").item() == pytest.approx(0.6931, abs=1e-4)
+    # Response log-probs count the response tokens only (mask from lengths).
+    lp = sequence_logprobs(module.policy, batch)
+    assert lp.shape == (16,) and (lp < 0).all()
+    before = {k: v.clone() for k, v in module.reference.state_dict().items()}
+    trainer = _trainer(tmp_path, 5)
+    trainer.fit(module)
+    assert not module.reference.training and not any(p.requires_grad for p in module.reference.parameters())
+    assert all(torch.equal(before[k], v) for k, v in module.reference.state_dict().items())
+    assert torch.isfinite(trainer.callback_metrics["train_loss"])
+    with pytest.raises(ValueError, match="beta=0.*Fix"):
+        DPOModule(beta=0)
+
+
+def test_zeropp_fit_runs_a_recipe_with_command_line_overrides(tmp_path, monkeypatch):
+    """The console command on the shipped SFT recipe, one process (overrides on the CLI)."""
+    from pathlib import Path
+
+    import yaml
+
+    from zeropp_strategy.cli import main
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "sft.yaml"
+    monkeypatch.chdir(tmp_path)
+    code = main(["fit", "--config", str(recipe), "--trainer.devices", "1", "--trainer.strategy", "auto",
+                 "--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1",
+                 "--trainer.enable_progress_bar", "false", "--model.lr", "0.0042",
+                 "--model.model", json_small()])
+    assert code == 0
+    saved = yaml.safe_load(next((tmp_path / "runs" / "sft").rglob("config.yaml")).read_text())
+    assert saved["model"]["init_args"]["lr"] == 0.0042
+    assert list((tmp_path / "runs" / "sft").rglob("*.ckpt"))
+
+
+def json_small() -> str:
+    import json
+
+    return json.dumps(SMALL)

@@ -2,6 +2,7 @@
 
     zeropp --help
     zeropp demo [--strategy ddp] [--max-steps 60] ...   # see `zeropp demo --help`
+    zeropp fit --config recipes/sft.yaml [--model.lr 1e-4 --trainer.max_steps 100 ...]
 
 A subcommand is a function ``argv -> exit code`` plus one line in ``SUBCOMMANDS``; it
 parses its own flags, so the top-level parser only picks the function and forwards the
@@ -21,15 +22,22 @@ def _demo(argv: list[str]) -> int:
     return demo.main(argv, prog="zeropp demo")
 
 
+def _fit(argv: list[str]) -> int:
+    from zeropp_strategy.rlhf.cli import fit
+
+    return fit(argv)
+
+
 def _consolidate(argv: list[str]) -> int:
     from zeropp_strategy.checkpoint import consolidate
 
     return consolidate.main(argv, prog="zeropp consolidate")
 
 
-# name -> (function, one-line help). Add `fit`, `consolidate`, `report`, `pipeline` here.
+# name -> (function, one-line help). Add `report`, `pipeline` here.
 SUBCOMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "demo": (_demo, "train a tiny causal LM on 2 CPU processes under strategy='zeropp'"),
+    "fit": (_fit, "LightningCLI fit of an RLHF module: zeropp fit --config recipes/sft.yaml [--field value ...]"),
     "consolidate": (_consolidate, "sharded checkpoint -> one Lightning file, or a Hugging Face folder (--hf)"),
 }
 

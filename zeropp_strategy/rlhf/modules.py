@@ -1,4 +1,5 @@
-"""LightningModules of the InstructGPT pipeline: ``SFTModule`` and ``RewardModule``.
+"""LightningModules of the InstructGPT pipeline: ``SFTModule``, ``RewardModule``, and
+``DPOModule`` (preference optimisation without a reward model).
 
 Each builds its networks in ``configure_model`` (meta-device friendly under ``zeropp``),
 runs under any Lightning strategy, and reads its data through ``rlhf.data``. Every
@@ -19,7 +20,7 @@ from zeropp_strategy.rlhf import ops
 from zeropp_strategy.rlhf.data import PairCollator, SFTCollator, load_records
 from zeropp_strategy.rlhf.models import ScalarHeadModel, build_causal_lm, build_tokenizer, tiny_llama_config
 
-__all__ = ["RewardModule", "SFTModule"]
+__all__ = ["DPOModule", "RewardModule", "SFTModule", "sequence_logprobs"]
 
 
 class _Base(LightningModule):
@@ -219,3 +220,97 @@ class RewardModule(_Base):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         stats = checkpoint.get("reward_stats", {})
         self.reward_mean, self.reward_std = stats.get("mean", 0.0), stats.get("std", 1.0)
+
+
+def sequence_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor], *, temperature: float = 1.0) -> torch.Tensor:
+    """Sum over each row's response tokens (``response_mask``) of log p(token | prefix)."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    logp = ops.token_logprobs(logits[:, :-1], batch["input_ids"][:, 1:], temperature=temperature)
+    return (logp * batch["response_mask"][:, 1:].to(logp.dtype)).sum(-1)
+
+
+class DPOModule(_Base):
+    """Direct preference optimisation (sigmoid loss) of a causal LM against a frozen
+    reference, on prompt/chosen/rejected records.
+
+    The reference is a second copy of the starting policy, frozen and in eval mode (dropout
+    off). It is built from the same ``model`` folder, or, for a config dict, copied from the
+    policy before training (so both start equal; under meta-device init the two are
+    initialized separately, so start DPO from a trained folder, as one does).
+
+    Args:
+        model: the SFT stage's output folder (or any ``from_pretrained`` name / config dict).
+        beta: the DPO temperature (0.1 is the paper's default).
+        (others as ``SFTModule``)
+    Logs loss, preference accuracy (implicit reward of chosen > rejected) and the margin.
+    """
+
+    def __init__(
+        self,
+        model: str | dict[str, Any] | None = None,
+        tokenizer: str | None = None,
+        data: str = "embedded:addition",
+        beta: float = 0.1,
+        batch_size: int = 16,
+        max_length: int = 64,
+        lr: float = 5e-4,
+        weight_decay: float = 0.0,
+        val_fraction: float = 0.1,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(model=model, tokenizer=tokenizer, data=data, batch_size=batch_size, max_length=max_length,
+                         lr=lr, weight_decay=weight_decay, val_fraction=val_fraction, seed=seed)
+        if beta <= 0:
+            raise ValueError(f"DPOModule(beta={beta}) is invalid: it must be > 0. Fix: e.g. beta=0.1.")
+        self.save_hyperparameters()
+        self.beta = beta
+        self.policy: torch.nn.Module | None = None
+        self.reference: torch.nn.Module | None = None
+
+    def configure_model(self) -> None:
+        if self.policy is not None:
+            return
+        import copy
+
+        self.policy = build_causal_lm(self.model_spec)
+        if isinstance(self.model_spec, dict):
+            self.reference = copy.deepcopy(self.policy)
+        else:
+            self.reference = build_causal_lm(self.model_spec)
+        self.reference.requires_grad_(False).eval()
+
+    def train(self, mode: bool = True) -> DPOModule:
+        super().train(mode)
+        if self.reference is not None:
+            self.reference.eval()  # Lightning's train() must not switch its dropout back on
+        return self
+
+    def _loader(self, records: list[dict[str, str]], shuffle: bool) -> DataLoader:
+        return DataLoader(records, batch_size=self.batch_size, shuffle=shuffle,
+                          collate_fn=PairCollator(self.tokenizer, max_length=self.max_length),
+                          generator=torch.Generator().manual_seed(self.seed))
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self._split("preferences")[0], shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self._split("preferences")[1], shuffle=False)
+
+    def _step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
+        assert self.policy is not None and self.reference is not None
+        policy = sequence_logprobs(self.policy, batch)
+        with torch.no_grad():
+            reference = sequence_logprobs(self.reference, batch)
+        half = policy.shape[0] // 2
+        loss, chosen, rejected = ops.dpo_loss(policy[:half], policy[half:], reference[:half], reference[half:],
+                                              beta=self.beta)
+        self.log(f"{stage}_loss", loss, sync_dist=True, prog_bar=stage == "train")
+        self.log(f"{stage}_accuracy", (chosen > rejected).float().mean(), sync_dist=True, prog_bar=True)
+        self.log(f"{stage}_margin", (chosen - rejected).mean(), sync_dist=True)
+        return loss
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self._step(batch, "train")
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self._step(batch, "val")
