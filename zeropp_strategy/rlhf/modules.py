@@ -63,6 +63,30 @@ class _Base(LightningModule):
         return torch.optim.AdamW(params, lr=self.lr, weight_decay=self.weight_decay)
 
 
+class _PairModule(_Base):
+    """Modules trained on preference pairs: chosen rows then rejected rows in one batch."""
+
+    def _loader(self, records: list[dict[str, str]], shuffle: bool) -> DataLoader:
+        return DataLoader(records, batch_size=self.batch_size, shuffle=shuffle,
+                          collate_fn=PairCollator(self.tokenizer, max_length=self.max_length),
+                          generator=torch.Generator().manual_seed(self.seed))
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self._split("preferences")[0], shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self._split("preferences")[1], shuffle=False)
+
+    def _step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self._step(batch, "train")
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self._step(batch, "val")
+
+
 class SFTModule(_Base):
     """Supervised fine-tuning of a causal LM on prompt/response records.
 
@@ -128,7 +152,7 @@ class SFTModule(_Base):
         self.log("val_ppl", math.exp(min(loss.item(), 50.0)), sync_dist=True)
 
 
-class RewardModule(_Base):
+class RewardModule(_PairModule):
     """A pairwise reward model: causal-LM backbone, scalar head at the last real token.
 
     Loss: ``-log sigmoid(r_chosen - r_rejected - margin)``, plus
@@ -172,17 +196,6 @@ class RewardModule(_Base):
             spec = self.model_spec
             self.model = ScalarHeadModel(spec if isinstance(spec, dict) else build_causal_lm(spec).get_decoder())
 
-    def _loader(self, records: list[dict[str, str]], shuffle: bool) -> DataLoader:
-        return DataLoader(records, batch_size=self.batch_size, shuffle=shuffle,
-                          collate_fn=PairCollator(self.tokenizer, max_length=self.max_length),
-                          generator=torch.Generator().manual_seed(self.seed))
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader(self._split("preferences")[0], shuffle=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader(self._split("preferences")[1], shuffle=False)
-
     def _scores(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.model is not None
         scores = self.model.score(batch["input_ids"], batch["attention_mask"])
@@ -202,11 +215,6 @@ class RewardModule(_Base):
             self._val_scores.append(torch.cat([chosen, rejected]).detach().float())
         return loss
 
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        return self._step(batch, "train")
-
-    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        self._step(batch, "val")
 
     def on_validation_epoch_end(self) -> None:
         if self._val_scores:
@@ -229,7 +237,7 @@ def sequence_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor], *,
     return (logp * batch["response_mask"][:, 1:].to(logp.dtype)).sum(-1)
 
 
-class DPOModule(_Base):
+class DPOModule(_PairModule):
     """Direct preference optimisation (sigmoid loss) of a causal LM against a frozen
     reference, on prompt/chosen/rejected records.
 
@@ -285,17 +293,6 @@ class DPOModule(_Base):
             self.reference.eval()  # Lightning's train() must not switch its dropout back on
         return self
 
-    def _loader(self, records: list[dict[str, str]], shuffle: bool) -> DataLoader:
-        return DataLoader(records, batch_size=self.batch_size, shuffle=shuffle,
-                          collate_fn=PairCollator(self.tokenizer, max_length=self.max_length),
-                          generator=torch.Generator().manual_seed(self.seed))
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader(self._split("preferences")[0], shuffle=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader(self._split("preferences")[1], shuffle=False)
-
     def _step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
         assert self.policy is not None and self.reference is not None
         policy = sequence_logprobs(self.policy, batch)
@@ -309,8 +306,3 @@ class DPOModule(_Base):
         self.log(f"{stage}_margin", (chosen - rejected).mean(), sync_dist=True)
         return loss
 
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        return self._step(batch, "train")
-
-    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        self._step(batch, "val")
