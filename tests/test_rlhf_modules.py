@@ -121,3 +121,27 @@ def json_small() -> str:
     import json
 
     return json.dumps(SMALL)
+
+
+def test_modules_load_a_local_from_pretrained_folder_and_lora_trains_only_adapters(tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from zeropp_strategy.rlhf.models import merged
+
+    torch.manual_seed(0)
+    cfg = dict(SMALL)
+    lm = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg))
+    lm.save_pretrained(tmp_path / "sft")
+    sft = SFTModule(model=str(tmp_path / "sft"), lora={"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]})
+    sft.configure_model()
+    trainable = [n for n, p in sft.model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    base = {k: v for k, v in lm.state_dict().items()}
+    exported = merged(sft.model).state_dict()  # adapters start at zero: merged == the folder
+    assert all(torch.equal(exported[k], base[k]) for k in base)
+    rm = RewardModule(model=str(tmp_path / "sft"))
+    rm.configure_model()
+    batch = next(iter(rm.train_dataloader()))
+    assert rm._scores(batch)[0].shape == (rm.batch_size,)
+    with pytest.raises(ValueError, match="lora=.*Fix"):
+        SFTModule(model=SMALL, lora={"rank": 4}).configure_model()

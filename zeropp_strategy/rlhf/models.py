@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from zeropp_strategy.rlhf.ops import last_index
 
-__all__ = ["ScalarHeadModel", "build_causal_lm", "build_tokenizer", "tiny_llama_config"]
+__all__ = ["ScalarHeadModel", "apply_lora", "build_causal_lm", "build_tokenizer", "tiny_llama_config"]
 
 
 def tiny_llama_config(**overrides: Any) -> dict[str, Any]:
@@ -43,6 +43,28 @@ def build_causal_lm(model: str | dict[str, Any], *, dtype: torch.dtype | None = 
     if isinstance(model, dict):
         return AutoModelForCausalLM.from_config(_config(model), torch_dtype=dtype)
     return AutoModelForCausalLM.from_pretrained(model, torch_dtype=dtype)
+
+
+def apply_lora(model: nn.Module, lora: dict[str, Any] | None) -> nn.Module:
+    """peft LoRA adapters from a recipe's ``lora:`` block (``peft.LoraConfig`` fields, e.g.
+    ``{r: 8, lora_alpha: 16, target_modules: [q_proj, v_proj]}``): base weights frozen,
+    adapters trained. ``None`` returns the model unchanged. With ZeroConfig's
+    ``quantize_frozen_weights`` the frozen base is stored as int8 shards at stage 3."""
+    if not lora:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    try:
+        config = LoraConfig(**lora)
+    except TypeError as e:
+        raise ValueError(f"lora={lora!r} is invalid: {e}. Fix: use peft.LoraConfig field names "
+                         "(r, lora_alpha, lora_dropout, target_modules, ...).") from None
+    return get_peft_model(model, config)
+
+
+def merged(model: nn.Module) -> nn.Module:
+    """The plain transformers model to export: LoRA adapters merged into the base."""
+    return model.merge_and_unload() if hasattr(model, "merge_and_unload") else model
 
 
 def build_tokenizer(name: str | None) -> Any:

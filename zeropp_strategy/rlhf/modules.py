@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 
 from zeropp_strategy.rlhf import ops
 from zeropp_strategy.rlhf.data import PairCollator, SFTCollator, load_records
-from zeropp_strategy.rlhf.models import ScalarHeadModel, build_causal_lm, build_tokenizer, tiny_llama_config
+from zeropp_strategy.rlhf.models import ScalarHeadModel, apply_lora, build_causal_lm, build_tokenizer, tiny_llama_config
 
 __all__ = ["DPOModule", "RewardModule", "SFTModule", "sequence_logprobs"]
 
@@ -100,6 +100,8 @@ class SFTModule(_Base):
         tokenizer: a folder/hub name, or ``None``/``"byt5"`` (byte-level, no files).
         data: a ``.jsonl`` file, a ``datasets`` name, or ``"embedded:addition"``.
         train_on_prompt: also train on the prompt tokens.
+        lora: peft ``LoraConfig`` fields (e.g. ``{"r": 8, "target_modules": ["q_proj", "v_proj"]}``):
+            only the adapters train; ``None`` trains every weight.
         batch_size, max_length, lr, weight_decay: as usual.
         val_fraction: part of the records held out for validation.
         seed: the train/validation split.
@@ -111,6 +113,7 @@ class SFTModule(_Base):
         tokenizer: str | None = None,
         data: str = "embedded:addition",
         train_on_prompt: bool = False,
+        lora: dict[str, Any] | None = None,
         batch_size: int = 32,
         max_length: int = 64,
         lr: float = 1e-3,
@@ -122,11 +125,12 @@ class SFTModule(_Base):
                          lr=lr, weight_decay=weight_decay, val_fraction=val_fraction, seed=seed)
         self.save_hyperparameters()
         self.train_on_prompt = train_on_prompt
+        self.lora = lora
         self.model: torch.nn.Module | None = None
 
     def configure_model(self) -> None:
         if self.model is None:
-            self.model = build_causal_lm(self.model_spec)
+            self.model = apply_lora(build_causal_lm(self.model_spec), self.lora)
 
     def _loader(self, records: list[dict[str, str]], shuffle: bool) -> DataLoader:
         collate = SFTCollator(self.tokenizer, max_length=self.max_length, train_on_prompt=self.train_on_prompt)
@@ -249,6 +253,7 @@ class DPOModule(_PairModule):
     Args:
         model: the SFT stage's output folder (or any ``from_pretrained`` name / config dict).
         beta: the DPO temperature (0.1 is the paper's default).
+        lora: as ``SFTModule`` (adapters on the policy; the reference has none).
         (others as ``SFTModule``)
     Logs loss, preference accuracy (implicit reward of chosen > rejected) and the margin.
     """
@@ -259,6 +264,7 @@ class DPOModule(_PairModule):
         tokenizer: str | None = None,
         data: str = "embedded:addition",
         beta: float = 0.1,
+        lora: dict[str, Any] | None = None,
         batch_size: int = 16,
         max_length: int = 64,
         lr: float = 5e-4,
@@ -272,6 +278,7 @@ class DPOModule(_PairModule):
             raise ValueError(f"DPOModule(beta={beta}) is invalid: it must be > 0. Fix: e.g. beta=0.1.")
         self.save_hyperparameters()
         self.beta = beta
+        self.lora = lora
         self.policy: torch.nn.Module | None = None
         self.reference: torch.nn.Module | None = None
 
@@ -286,6 +293,7 @@ class DPOModule(_PairModule):
         else:
             self.reference = build_causal_lm(self.model_spec)
         self.reference.requires_grad_(False).eval()
+        self.policy = apply_lora(self.policy, self.lora)
 
     def train(self, mode: bool = True) -> DPOModule:
         super().train(mode)
