@@ -548,3 +548,16 @@ def test_property_from_deepspeed(ds):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ZeroConfigWarning)
         _check(lambda: ZeroConfig.from_deepspeed(ds))
+
+
+def test_coerce_accepts_every_config_form(tmp_path):
+    path = tmp_path / "z.yaml"
+    path.write_text("stage: 2\n")
+    assert ZeroConfig.coerce(None) == ZeroConfig()
+    assert ZeroConfig.coerce({"stage": 1}).stage == 1
+    assert ZeroConfig.coerce(str(path)).stage == 2
+    assert ZeroConfig.coerce(path, overrides={"stage": 3}).stage == 3
+    cfg = ZeroConfig(stage=2)
+    assert ZeroConfig.coerce(cfg) is cfg
+    with pytest.raises(TypeError, match=r"Front\(config\)=42 is invalid.*Fix: pass a ZeroConfig"):
+        ZeroConfig.coerce(42, where="Front(config)")

@@ -62,7 +62,7 @@ def test_bad_config_errors_name_the_field():
         ZeroPPStrategy(stage=5)
     with pytest.raises(ValueError, match="stag"):
         ZeroPPStrategy(stag=3)
-    with pytest.raises(TypeError, match="ZeroPPStrategy\\(config=42\\)"):
+    with pytest.raises(TypeError, match="ZeroPPStrategy\\(config\\)=42 is invalid"):
         ZeroPPStrategy(config=42)
 
 

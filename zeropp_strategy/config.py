@@ -350,6 +350,25 @@ class ZeroConfig:
         return _from_loaded(cls, data, path, "ZeroConfig.from_file")
 
     @classmethod
+    def coerce(cls, config: ZeroConfig | Mapping[str, Any] | str | os.PathLike[str] | None, *,
+               where: str = "config", overrides: Mapping[str, Any] | None = None) -> ZeroConfig:
+        """What every front-end accepts as a config: a ``ZeroConfig``, a dict of its fields, a
+        YAML/DeepSpeed JSON path, or None (the defaults); then ``overrides`` (field -> value).
+        ``where`` names the argument in the error for any other type."""
+        if config is None:
+            base = cls()
+        elif isinstance(config, ZeroConfig):
+            base = config
+        elif isinstance(config, Mapping):
+            base = cls.from_dict(dict(config))
+        elif isinstance(config, (str, os.PathLike)):
+            base = cls.from_file(config)
+        else:
+            _invalid(where, config, f"is a {type(config).__name__}, not a ZeroConfig, a dict or a path",
+                     "pass a ZeroConfig, a dict of its fields, or the path of a YAML/DeepSpeed JSON file", TypeError)
+        return base.replace(**overrides) if overrides else base
+
+    @classmethod
     def from_deepspeed(cls, path_or_dict: str | os.PathLike[str] | Mapping[str, Any], *, warn: bool = True) -> ZeroConfig:
         """Convert a DeepSpeed config (path of a JSON file, or the loaded dict) into a ZeroConfig.
 

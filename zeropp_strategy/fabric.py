@@ -43,10 +43,11 @@ from torch.optim import Optimizer
 from zeropp_strategy._process import ProcessMixin
 from zeropp_strategy.checkpoint.objects import load_objects, save_objects, split_state, stateful
 from zeropp_strategy.config import ZeroConfig
-from zeropp_strategy.engine.core import ZeroEngine, broadcast_module, close_offload
+from zeropp_strategy.engine.core import ZeroEngine, close_offload
+from zeropp_strategy.engine.core import unwrap as _unwrap
 from zeropp_strategy.engine.fsdp import fsdp_modules, has_meta
 from zeropp_strategy.precision import ZeroPPPrecision, clip_grad_norm, clip_grad_value
-from zeropp_strategy.strategy import PRESETS, _resolve_config
+from zeropp_strategy.strategy import PRESETS
 
 def _flag_of(precision: Precision) -> str:
     flag = str(getattr(precision, "precision", "32-true"))
@@ -78,7 +79,7 @@ class ZeroPPFabricStrategy(ProcessMixin, ParallelStrategy):
         timeout: timedelta | None = default_pg_timeout,
         **config_fields: Any,
     ) -> None:
-        self.config = _resolve_config(config, config_fields)
+        self.config = ZeroConfig.coerce(config, where="ZeroPPFabricStrategy(config)", overrides=config_fields)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -93,8 +94,6 @@ class ZeroPPFabricStrategy(ProcessMixin, ParallelStrategy):
         self._grad_sync = True
         self._optimizers: list[Optimizer] = []
         self._modules: list[Module] = []
-        self._names_before: dict[int, str] = {}  # id(param before setup) -> "<module index>.<name>"
-        self._params_after: dict[str, Any] = {}  # "<module index>.<name>" -> the param after setup
 
     # -- sizes and identity -------------------------------------------------------------
 
@@ -160,33 +159,16 @@ class ZeroPPFabricStrategy(ProcessMixin, ParallelStrategy):
     def setup_module(self, module: Module) -> Module:
         if fsdp_modules(module) or isinstance(module, DistributedDataParallel):
             return module  # already set up
-        index = len(self._modules)
-        self._names_before.update({id(p): f"{index}.{n}" for n, p in module.named_parameters(remove_duplicate=False)})
-        module = self._setup_module(module)
-        inner = module.module if isinstance(module, DistributedDataParallel) else module
-        self._params_after.update({f"{index}.{n}": p for n, p in inner.named_parameters(remove_duplicate=False)})
+        module = self.engine.prepare_module(module)
         self._modules.append(module)
-        return module
-
-    def _setup_module(self, module: Module) -> Module:
-        if self.stage == 1:
-            module = self.engine.prepare_stage1(module, checkpoint=True)
-            if not any(p.requires_grad for p in module.parameters()):
-                broadcast_module(module)  # DDP would refuse a model with nothing to train
-                return module
-            return self.engine.wrap_ddp(module)
-        module = self.engine.precision.convert_module(module)
-        self.engine.shard(module)
-        self.engine.module_to_device(module)
         return module
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """Re-points an optimizer built over unsharded parameters (before ``setup_module``)
         at the sharded ones, by name, then wraps it (stage 1 state sharding, offload)."""
-        self.engine.remap_optimizer(
-            optimizer, self._names_before, self._params_after,
+        wrapped = self.engine.adopt_optimizer(
+            optimizer,
             fix="call fabric.setup(model, optimizer), or fabric.setup_module(model) before setup_optimizers.")
-        wrapped = self.engine.wrap_optimizer(optimizer)
         self._optimizers.append(wrapped)
         return wrapped
 
@@ -309,12 +291,6 @@ class ZeroPPFabricStrategy(ProcessMixin, ParallelStrategy):
             if name in strategy_registry:
                 continue
             strategy_registry.register(name, cls, description=f"ZeRO via zeropp-strategy, Fabric ({fields})", **fields)
-
-
-def _unwrap(module: Module) -> Module:
-    """The user's module behind DDP (stage 1) or Fabric's wrapper."""
-    module = getattr(module, "_forward_module", module)  # _FabricModule
-    return module.module if isinstance(module, DistributedDataParallel) else module
 
 
 class _ZeroNoSync(_BackwardSyncControl):

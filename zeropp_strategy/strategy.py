@@ -105,23 +105,6 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def _resolve_config(config: ZeroConfig | Mapping[str, Any] | str | Path | None, overrides: dict[str, Any]) -> ZeroConfig:
-    if config is None:
-        base = ZeroConfig()
-    elif isinstance(config, ZeroConfig):
-        base = config
-    elif isinstance(config, Mapping):
-        base = ZeroConfig.from_dict(dict(config))
-    elif isinstance(config, (str, Path)):
-        base = ZeroConfig.from_file(config)
-    else:
-        raise TypeError(
-            f"ZeroPPStrategy(config={config!r}) is invalid: expected a ZeroConfig, a dict, or a path "
-            "to a YAML/DeepSpeed JSON file. Fix: pass one of those."
-        )
-    return base.replace(**overrides) if overrides else base
-
-
 class ZeroPPStrategy(ProcessMixin, ParallelStrategy):
     """ZeRO data parallelism: stage 1 (sharded optimizer state), 2 (+ sharded gradients),
     3 (+ sharded parameters), with ZeRO++ collectives and offload as configured.
@@ -152,7 +135,7 @@ class ZeroPPStrategy(ProcessMixin, ParallelStrategy):
         timeout: timedelta | None = default_pg_timeout,
         **config_fields: Any,
     ) -> None:
-        self.config = _resolve_config(config, config_fields)
+        self.config = ZeroConfig.coerce(config, where="ZeroPPStrategy(config)", overrides=config_fields)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

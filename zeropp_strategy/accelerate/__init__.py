@@ -36,18 +36,13 @@ from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType, convert_outputs_to_fp32
 from torch.nn import Module
-from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
+from zeropp_strategy.accelerate.launch import torchrun_without_gpu
 from zeropp_strategy.checkpoint.objects import load_objects, save_objects
 from zeropp_strategy.config import ZeroConfig
-from zeropp_strategy.engine.core import (
-    ZeroEngine,
-    broadcast_module,
-    check_offload_paths,
-    close_offload,
-    default_backend,
-)
+from zeropp_strategy.engine.core import ZeroEngine, check_offload_paths, close_offload, default_backend
+from zeropp_strategy.engine.core import unwrap as _unwrap
 from zeropp_strategy.engine.fsdp import fsdp_modules
 from zeropp_strategy.engine.state import full_model_state
 from zeropp_strategy.precision import ShardedGradScaler, ZeroPPPrecision, clip_grad_norm_params
@@ -100,10 +95,6 @@ def _with_offload_backend(config: ZeroConfig, kwargs: dict[str, Any]) -> dict[st
     return {**kwargs, "kwargs_handlers": handlers}
 
 
-def _unwrap(model: Module) -> Module:
-    return model.module if isinstance(model, DistributedDataParallel) else model
-
-
 class ZeroPPAccelerator(Accelerator):
     """``accelerate.Accelerator`` whose models and optimizers run on the zeropp engine.
 
@@ -118,16 +109,10 @@ class ZeroPPAccelerator(Accelerator):
         # Config errors first, on every rank, before Accelerate creates the process group.
         if zero_config is None:
             config = config_from_env()
-        elif isinstance(zero_config, ZeroConfig):
-            config = zero_config
-        elif isinstance(zero_config, dict):
-            config = ZeroConfig.from_dict(zero_config)
         else:
-            config = ZeroConfig.from_file(zero_config)
+            config = ZeroConfig.coerce(zero_config, where="ZeroPPAccelerator(zero_config)")
         check_offload_paths(config)
-        if "LOCAL_RANK" in os.environ and not torch.cuda.is_available() and "ACCELERATE_USE_CPU" not in os.environ:
-            # Under torchrun without CUDA, Accelerate would pick DistributedType.NO and every
-            # process would train alone; on the CPU it forms the gloo group (MULTI_CPU).
+        if torchrun_without_gpu():
             kwargs.setdefault("cpu", True)
         kwargs = _with_offload_backend(config, kwargs)
         if config.gather_16bit is None:  # Accelerate's mixed precision: autocast over fp32 weights
@@ -142,8 +127,6 @@ class ZeroPPAccelerator(Accelerator):
         ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.num_processes))
         config.validate_for_world(self.num_processes, ranks_per_node)
         self.zero_config = config
-        self._zero_names_before: dict[int, str] = {}
-        self._zero_params_after: dict[str, torch.nn.Parameter] = {}
         self._zero_sync = True
         self.zero_engine: ZeroEngine | None = None
         if self.num_processes > 1:
@@ -187,23 +170,7 @@ class ZeroPPAccelerator(Accelerator):
                 self._models.append(model)
             return model
         engine = self.engine
-        index = len(self._models)
-        for name, p in model.named_parameters(remove_duplicate=False):
-            self._zero_names_before[id(p)] = f"{index}.{name}"
-        if engine.stage == 1:
-            model = engine.prepare_stage1(model, checkpoint=not evaluation_mode)
-            # As Accelerate does: a model with nothing to train (RLHF's frozen reference
-            # and reward models) is not wrapped in DDP, which would refuse it.
-            if not evaluation_mode and any(p.requires_grad for p in model.parameters()):
-                model = engine.wrap_ddp(model)
-            else:  # what DDP's construction would have done: every rank holds rank 0's values
-                broadcast_module(model)
-        else:
-            model = engine.precision.convert_module(model)
-            engine.shard(model)
-            engine.module_to_device(model)
-        for name, p in _unwrap(model).named_parameters(remove_duplicate=False):
-            self._zero_params_after[f"{index}.{name}"] = p
+        model = engine.prepare_module(model, train=not evaluation_mode)
         if self.native_amp:  # autocast around forward, fp32 outputs: as Accelerate does for DDP
             inner = _unwrap(model)
             autocast = torch.autocast(device_type=self.device.type, dtype=engine.precision.half_dtype)
@@ -222,10 +189,9 @@ class ZeroPPAccelerator(Accelerator):
             if optimizer not in self._optimizers:
                 self._optimizers.append(optimizer)
             return optimizer
-        self.engine.remap_optimizer(
-            optimizer, self._zero_names_before, self._zero_params_after,
+        wrapped = self.engine.adopt_optimizer(
+            optimizer,
             fix="pass its model to accelerator.prepare() in the same call as the optimizer or an earlier one.")
-        wrapped = self.engine.wrap_optimizer(optimizer)
         # device_placement=False: our wrappers hold state where the config puts it.
         accelerated = AcceleratedOptimizer(wrapped, device_placement=False, scaler=self.scaler)
         self._optimizers.append(accelerated)
@@ -354,8 +320,7 @@ class ZeroPPAccelerator(Accelerator):
             for store in self.zero_engine.param_stores:
                 store.close()
             self.zero_engine.param_stores.clear()
-        self._zero_names_before.clear()
-        self._zero_params_after.clear()
+            self.zero_engine.forget_modules()
         return super().free_memory(*objects)
 
     @property

@@ -31,13 +31,18 @@ def install() -> None:
     accelerate.accelerator.Accelerator = ZeroPPAccelerator  # type: ignore[misc]
 
 
-def use_cpu_when_no_gpu() -> None:
-    """Under torchrun (``LOCAL_RANK`` set) on a machine without CUDA, Accelerate would fall
-    back to ``DistributedType.NO`` and every process would train alone; asking for the CPU
-    makes it form the gloo group instead (``MULTI_CPU``)."""
+def torchrun_without_gpu() -> bool:
+    """Under torchrun (``LOCAL_RANK`` set) on a machine without CUDA, and the CPU not asked
+    for: Accelerate would fall back to ``DistributedType.NO`` and every process would train
+    alone. Asking for the CPU makes it form the gloo group instead (``MULTI_CPU``)."""
     import torch
 
-    if "LOCAL_RANK" in os.environ and "ACCELERATE_USE_CPU" not in os.environ and not torch.cuda.is_available():
+    return "LOCAL_RANK" in os.environ and "ACCELERATE_USE_CPU" not in os.environ and not torch.cuda.is_available()
+
+
+def use_cpu_when_no_gpu() -> None:
+    """``ACCELERATE_USE_CPU=true`` when ``torchrun_without_gpu()``, for the user's own Accelerator."""
+    if torchrun_without_gpu():
         os.environ["ACCELERATE_USE_CPU"] = "true"
 
 

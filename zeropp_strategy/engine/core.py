@@ -95,6 +95,10 @@ class ZeroEngine:
         self.device = device
         self.info = info  # rank-zero logging of the front-end
         self.param_stores: list[Any] = []  # offload_param="nvme", one per sharded model
+        # Modules set up by prepare_module, for re-pointing optimizers built before it:
+        self._names_before: dict[int, str] = {}  # id(param before) -> "<module index>.<name>"
+        self._params_after: dict[str, nn.Parameter] = {}  # "<module index>.<name>" -> param now
+        self._prepared = 0
 
     @classmethod
     def start(
@@ -240,6 +244,40 @@ class ZeroEngine:
                         m._buffers[name] = buf.to(self.device)
             return
         module.to(self.device)
+
+    def prepare_module(self, module: nn.Module, *, train: bool = True) -> nn.Module:
+        """A user's module set up for its stage, for the front-ends that hand over modules one
+        at a time (Fabric, Accelerate). Stage 1: materialized, activation checkpointing if
+        configured (``train``), DDP, except a module with nothing to train (or ``train=False``),
+        which DDP would refuse: it gets rank 0's values instead. Stages 2/3: sharded in place
+        and placed. The parameters' names are remembered for ``adopt_optimizer``."""
+        index = self._prepared
+        self._prepared += 1
+        self._names_before.update({id(p): f"{index}.{n}" for n, p in module.named_parameters(remove_duplicate=False)})
+        if self.stage == 1:
+            module = self.prepare_stage1(module, checkpoint=train)
+            if train and any(p.requires_grad for p in module.parameters()):
+                module = self.wrap_ddp(module)
+            else:
+                broadcast_module(module)
+        else:
+            module = self.precision.convert_module(module)
+            self.shard(module)
+            self.module_to_device(module)
+        self._params_after.update(
+            {f"{index}.{n}": p for n, p in unwrap(module).named_parameters(remove_duplicate=False)})
+        return module
+
+    def adopt_optimizer(self, optimizer: Optimizer, *, fix: str) -> Optimizer:
+        """An optimizer over the parameters of modules set up by ``prepare_module`` (before or
+        after that call): re-pointed at the parameters now, by name, then wrapped."""
+        self.remap_optimizer(optimizer, self._names_before, self._params_after, fix=fix)
+        return self.wrap_optimizer(optimizer)
+
+    def forget_modules(self) -> None:
+        """Drop the references ``prepare_module`` keeps (with ``free_memory``)."""
+        self._names_before.clear()
+        self._params_after.clear()
 
     def prepare_stage1(self, module: nn.Module, *, checkpoint: bool = False) -> nn.Module:
         """Stage 1 before DDP: meta tensors materialized, precision applied, on the device;
@@ -411,6 +449,12 @@ class ZeroEngine:
         if failed >= 0:
             raise RuntimeError(f"zeropp: {what} failed on rank {failed} (its error is in its log); stopping this rank too.")
         return result
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """The user's module behind Fabric's wrapper and DDP (stage 1)."""
+    module = getattr(module, "_forward_module", module)  # lightning.fabric's _FabricModule
+    return module.module if isinstance(module, DistributedDataParallel) else module
 
 
 @torch.no_grad()
