@@ -240,6 +240,11 @@ class ZeroPPStrategy(ProcessMixin, ParallelStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         self._connect()
+        if self._engine is not None:
+            # A later trainer.fit/validate/test on the same Trainer: the model is already
+            # sharded and its comm objects book into this engine's ledger, so keep both
+            # (a new ledger would stay at zero; the ledger counts the Trainer's whole life).
+            return
         self._engine = ZeroEngine.start(
             self.config,
             rank=self.global_rank,
