@@ -145,3 +145,24 @@ def test_modules_load_a_local_from_pretrained_folder_and_lora_trains_only_adapte
     assert rm._scores(batch)[0].shape == (rm.batch_size,)
     with pytest.raises(ValueError, match="lora=.*Fix"):
         SFTModule(model=SMALL, lora={"rank": 4}).configure_model()
+
+
+def test_reward_model_with_lora_exports_a_folder_that_scores_the_same(tmp_path):
+    torch.manual_seed(0)
+    rm = RewardModule(model=SMALL, lora={"r": 4, "target_modules": ["q_proj", "v_proj"]})
+    rm.configure_model()
+    trainable = {n for n, p in rm.model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n or n == "head.weight" for n in trainable) and "head.weight" in trainable
+    with torch.no_grad():
+        for name, p in rm.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_()  # adapters that change the scores, to check the merge
+    rm.reward_mean, rm.reward_std = 0.5, 2.0
+    rm.export_hf(str(tmp_path / "rm"))
+    loaded = ScalarHeadModel(str(tmp_path / "rm")).eval()
+    assert loaded.reward_stats == {"mean": 0.5, "std": 2.0}
+    batch = next(iter(rm.val_dataloader()))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.score(batch["input_ids"], batch["attention_mask"]),
+                                   rm.model.eval().score(batch["input_ids"], batch["attention_mask"]),
+                                   atol=1e-5, rtol=1e-5)

@@ -3,6 +3,7 @@
     zeropp --help
     zeropp demo [--strategy ddp] [--max-steps 60] ...   # see `zeropp demo --help`
     zeropp fit --config recipes/sft.yaml [--model.lr 1e-4 --trainer.max_steps 100 ...]
+    zeropp pipeline --output-dir runs/pipeline [--config recipes/pipeline.yaml]
 
 A subcommand is a function ``argv -> exit code`` plus one line in ``SUBCOMMANDS``; it
 parses its own flags, so the top-level parser only picks the function and forwards the
@@ -28,16 +29,23 @@ def _fit(argv: list[str]) -> int:
     return fit(argv)
 
 
+def _pipeline(argv: list[str]) -> int:
+    from zeropp_strategy.rlhf.pipeline import main
+
+    return main(argv, prog="zeropp pipeline")
+
+
 def _consolidate(argv: list[str]) -> int:
     from zeropp_strategy.checkpoint import consolidate
 
     return consolidate.main(argv, prog="zeropp consolidate")
 
 
-# name -> (function, one-line help). Add `report`, `pipeline` here.
+# name -> (function, one-line help).
 SUBCOMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "demo": (_demo, "train a tiny causal LM on 2 CPU processes under strategy='zeropp'"),
     "fit": (_fit, "LightningCLI fit of an RLHF module: zeropp fit --config recipes/sft.yaml [--field value ...]"),
+    "pipeline": (_pipeline, "SFT -> reward model -> PPO in sequence, with summary.json: zeropp pipeline --output-dir DIR"),
     "consolidate": (_consolidate, "sharded checkpoint -> one Lightning file, or a Hugging Face folder (--hf)"),
 }
 

@@ -289,12 +289,16 @@ def frozen_int8_candidates(
     qualified name, param),
     and the names of frozen ones that must stay dense, with why (for the log).
 
-    Eligible: requires_grad=False, floating point, at least 2-D (biases and norms are
+    Eligible: requires_grad=False, outside any module marked ``zeropp_keep_dense``, floating point, at least 2-D (biases and norms are
     tiny and precision-sensitive), >= ``min_elems`` elements, rows divisible by the shard
     count (FSDP2 cannot pad extension tensors; see [Note: frozen int8 storage])."""
     chosen: list[tuple[nn.Module, str, str, nn.Parameter]] = []
     dense: list[str] = []
     seen: set[int] = set()
+    # Modules that update their frozen weights in place (an EMA copy) opt out with
+    # ``zeropp_keep_dense = True``: int8 storage would drop every update.
+    for dense_root in [m for m in module.modules() if getattr(m, "zeropp_keep_dense", False)]:
+        seen.update(id(p) for p in dense_root.parameters())
     for owner_name, owner in module.named_modules():
         for name, p in owner.named_parameters(recurse=False):
             if id(p) in seen or p.requires_grad or not p.is_floating_point() or isinstance(p.data, Int8Weight):

@@ -6,7 +6,7 @@
 Every ``__init__`` argument of the module (``--model.*``) and of ``Trainer``
 (``--trainer.*``) is a field of the recipe and can be overridden on the command line; the
 module is chosen by ``model.class_path`` in the recipe (``SFTModule``, ``RewardModule``,
-``DPOModule``). Importing ``zeropp_strategy`` first registers ``strategy: zeropp``.
+``DPOModule``, ``PPOModule``). Importing ``zeropp_strategy`` first registers ``strategy: zeropp``.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ def fit(argv: list[str]) -> int:
 
     import zeropp_strategy  # noqa: F401 - registers the strategy names
     import zeropp_strategy.rlhf.modules  # noqa: F401 - makes the short class names resolvable
+    import zeropp_strategy.rlhf.ppo  # noqa: F401
 
     LightningCLI(
         LightningModule,

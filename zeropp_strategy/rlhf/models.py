@@ -7,6 +7,8 @@ can create the model on the meta device and materialize only each rank's shard.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -14,7 +16,14 @@ from torch import Tensor, nn
 
 from zeropp_strategy.rlhf.ops import last_index
 
-__all__ = ["ScalarHeadModel", "apply_lora", "build_causal_lm", "build_tokenizer", "tiny_llama_config"]
+__all__ = ["ScalarHeadModel", "apply_lora", "build_causal_lm", "build_tokenizer", "positions", "tiny_llama_config"]
+
+
+def positions(attention_mask: Tensor) -> Tensor:
+    """Position ids that count only real tokens: a left-padded row starts at 0 at its first
+    real token, as in generation. Every forward of a padded batch passes them, so the
+    log-probs recomputed for PPO match the ones sampled."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def tiny_llama_config(**overrides: Any) -> dict[str, Any]:
@@ -102,17 +111,37 @@ class ScalarHeadModel(nn.Module):
         hidden = self.backbone.config.hidden_size
         self.head = nn.Linear(hidden, 1, bias=False)
         nn.init.normal_(self.head.weight, std=1.0 / (hidden + 1) ** 0.5)
+        #: the score mean and std of the reward model's validation (for PPO's normalisation)
+        self.reward_stats: dict[str, float] = {"mean": 0.0, "std": 1.0}
+        if isinstance(model, str):
+            self._load_head(Path(model))
+
+    def _load_head(self, folder: Path) -> None:
+        """A folder written by ``export_scalar_model`` carries the trained head and the
+        statistics; a plain causal-LM folder (the SFT output) gets a fresh head."""
+        from zeropp_strategy.rlhf.export import HEAD_FILE, STATS_FILE
+
+        if (folder / HEAD_FILE).is_file():
+            from safetensors.torch import load_file
+
+            with torch.no_grad():
+                self.head.weight.copy_(load_file(str(folder / HEAD_FILE))["weight"])
+        if (folder / STATS_FILE).is_file():
+            self.reward_stats = {k: float(v) for k, v in json.loads((folder / STATS_FILE).read_text()).items()}
 
     @classmethod
     def from_causal_lm(cls, lm: nn.Module) -> ScalarHeadModel:
         """The LM's transformer body (e.g. the SFT model's) under a fresh head."""
         return cls(lm.get_decoder() if hasattr(lm, "get_decoder") else lm.base_model)
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor | None = None) -> Tensor:
+        if position_ids is None:
+            position_ids = positions(attention_mask)
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
+                               position_ids=position_ids).last_hidden_state
         return self.head(hidden).squeeze(-1).float()
 
-    def score(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        values = self(input_ids, attention_mask)
+    def score(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor | None = None) -> Tensor:
+        values = self(input_ids, attention_mask, position_ids)
         last = last_index(attention_mask)
         return values.gather(1, last.clamp(min=0).unsqueeze(1)).squeeze(1)

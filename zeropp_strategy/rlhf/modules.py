@@ -36,8 +36,10 @@ class _Base(LightningModule):
         weight_decay: float,
         val_fraction: float,
         seed: int,
+        export_dir: str | None = None,
     ) -> None:
         super().__init__()
+        self.export_dir = export_dir
         self.model_spec = model if model is not None else tiny_llama_config()
         self.tokenizer = build_tokenizer(tokenizer)
         self.data, self.batch_size, self.max_length = data, batch_size, max_length
@@ -61,6 +63,14 @@ class _Base(LightningModule):
     def configure_optimizers(self) -> Any:
         params = [p for p in self.parameters() if p.requires_grad]
         return torch.optim.AdamW(params, lr=self.lr, weight_decay=self.weight_decay)
+
+    def on_fit_end(self) -> None:
+        if self.export_dir:
+            self.export_hf(self.export_dir)
+
+    def export_hf(self, directory: str) -> None:
+        """Collective (every rank calls it): the trained model as a Hugging Face folder."""
+        raise NotImplementedError
 
 
 class _PairModule(_Base):
@@ -105,6 +115,8 @@ class SFTModule(_Base):
         batch_size, max_length, lr, weight_decay: as usual.
         val_fraction: part of the records held out for validation.
         seed: the train/validation split.
+        export_dir: at the end of ``fit`` the model is written there as a Hugging Face
+            folder (``from_pretrained``-loadable, LoRA merged), with the tokenizer.
     """
 
     def __init__(
@@ -120,9 +132,11 @@ class SFTModule(_Base):
         weight_decay: float = 0.0,
         val_fraction: float = 0.05,
         seed: int = 0,
+        export_dir: str | None = None,
     ) -> None:
         super().__init__(model=model, tokenizer=tokenizer, data=data, batch_size=batch_size, max_length=max_length,
-                         lr=lr, weight_decay=weight_decay, val_fraction=val_fraction, seed=seed)
+                         lr=lr, weight_decay=weight_decay, val_fraction=val_fraction, seed=seed,
+                         export_dir=export_dir)
         self.save_hyperparameters()
         self.train_on_prompt = train_on_prompt
         self.lora = lora
@@ -149,6 +163,11 @@ class SFTModule(_Base):
         self.log("train_loss", loss, prog_bar=True, sync_dist=True)
         return loss
 
+    def export_hf(self, directory: str) -> None:
+        from zeropp_strategy.rlhf.export import export_causal_lm
+
+        export_causal_lm(self.model, directory, tokenizer=self.tokenizer)
+
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         assert self.model is not None
         loss = self.model(**batch).loss
@@ -170,6 +189,7 @@ class RewardModule(_PairModule):
             SFT stage's output folder.
         margin: the pairwise margin (0 = plain Bradley-Terry).
         center_coef: reward-centering coefficient (0 = off).
+        lora: as ``SFTModule``, on the transformer body; the scalar head always trains.
         (others as ``SFTModule``)
     """
 
@@ -180,17 +200,21 @@ class RewardModule(_PairModule):
         data: str = "embedded:addition",
         margin: float = 0.0,
         center_coef: float = 0.0,
+        lora: dict[str, Any] | None = None,
         batch_size: int = 32,
         max_length: int = 64,
         lr: float = 1e-3,
         weight_decay: float = 0.0,
         val_fraction: float = 0.1,
         seed: int = 0,
+        export_dir: str | None = None,
     ) -> None:
         super().__init__(model=model, tokenizer=tokenizer, data=data, batch_size=batch_size, max_length=max_length,
-                         lr=lr, weight_decay=weight_decay, val_fraction=val_fraction, seed=seed)
+                         lr=lr, weight_decay=weight_decay, val_fraction=val_fraction, seed=seed,
+                         export_dir=export_dir)
         self.save_hyperparameters()
         self.margin, self.center_coef = margin, center_coef
+        self.lora = lora
         self.model: ScalarHeadModel | None = None
         self.reward_mean, self.reward_std = 0.0, 1.0
         self._val_scores: list[torch.Tensor] = []
@@ -198,7 +222,10 @@ class RewardModule(_PairModule):
     def configure_model(self) -> None:
         if self.model is None:
             spec = self.model_spec
-            self.model = ScalarHeadModel(spec if isinstance(spec, dict) else build_causal_lm(spec).get_decoder())
+            model = ScalarHeadModel(spec if isinstance(spec, dict) else build_causal_lm(spec).get_decoder())
+            if self.lora:  # adapters on the body; the head is new and trains in full
+                model.backbone = apply_lora(model.backbone, self.lora)
+            self.model = model
 
     def _scores(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.model is not None
@@ -225,6 +252,14 @@ class RewardModule(_PairModule):
             scores = self.all_gather(torch.cat(self._val_scores)).flatten()
             self.reward_mean, self.reward_std = scores.mean().item(), scores.std().clamp(min=1e-6).item()
             self._val_scores.clear()
+
+    def export_hf(self, directory: str) -> None:
+        """Backbone folder + ``value_head.safetensors`` + ``reward_stats.json`` (what
+        ``PPOModule(reward_model=directory)`` reads)."""
+        from zeropp_strategy.rlhf.export import export_scalar_model
+
+        export_scalar_model(self.model, directory, tokenizer=self.tokenizer,
+                            stats={"mean": self.reward_mean, "std": self.reward_std})
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["reward_stats"] = {"mean": self.reward_mean, "std": self.reward_std}
@@ -271,9 +306,11 @@ class DPOModule(_PairModule):
         weight_decay: float = 0.0,
         val_fraction: float = 0.1,
         seed: int = 0,
+        export_dir: str | None = None,
     ) -> None:
         super().__init__(model=model, tokenizer=tokenizer, data=data, batch_size=batch_size, max_length=max_length,
-                         lr=lr, weight_decay=weight_decay, val_fraction=val_fraction, seed=seed)
+                         lr=lr, weight_decay=weight_decay, val_fraction=val_fraction, seed=seed,
+                         export_dir=export_dir)
         if beta <= 0:
             raise ValueError(f"DPOModule(beta={beta}) is invalid: it must be > 0. Fix: e.g. beta=0.1.")
         self.save_hyperparameters()
@@ -300,6 +337,11 @@ class DPOModule(_PairModule):
         if self.reference is not None:
             self.reference.eval()  # Lightning's train() must not switch its dropout back on
         return self
+
+    def export_hf(self, directory: str) -> None:
+        from zeropp_strategy.rlhf.export import export_causal_lm
+
+        export_causal_lm(self.policy, directory, tokenizer=self.tokenizer)
 
     def _step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
         assert self.policy is not None and self.reference is not None

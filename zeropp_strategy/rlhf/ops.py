@@ -28,6 +28,8 @@ __all__ = [
     "masked_whiten",
     "pairwise_reward_loss",
     "policy_loss",
+    "response_mask",
+    "sampling_logits",
     "token_logprobs",
     "token_rewards",
     "value_loss",
@@ -67,22 +69,33 @@ def last_index(mask: Tensor) -> Tensor:
     return torch.where(mask.bool(), positions, torch.full_like(positions, -1)).max(dim=-1).values
 
 
-def token_logprobs(logits: Tensor, tokens: Tensor, *, temperature: float = 1.0) -> Tensor:
-    """log p(token) under ``softmax(logits / temperature)``, gathered per position.
+def sampling_logits(logits: Tensor, *, temperature: float = 1.0, top_k: int = 0) -> Tensor:
+    """The logits of the distribution tokens are sampled from: ``logits / temperature``, with
+    every token outside the ``top_k`` largest set to -inf when ``top_k > 0``. Sampling and
+    every recomputation of log-probs go through this one function, so they cannot differ."""
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature} is invalid: it must be > 0. Fix: pass the sampling "
+                         "temperature (1.0 samples from the model as it is).")
+    logits = logits.float() / temperature
+    if top_k and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return logits
+
+
+def token_logprobs(logits: Tensor, tokens: Tensor, *, temperature: float = 1.0, top_k: int = 0) -> Tensor:
+    """log p(token) under ``softmax(sampling_logits(logits, temperature, top_k))``, per position.
 
     ``logits[:, t]`` must be the prediction for ``tokens[:, t]`` (shift before calling).
     """
-    if temperature <= 0:
-        raise ValueError(f"token_logprobs(temperature={temperature}) is invalid: it must be > 0. Fix: pass the "
-                         "sampling temperature (greedy decoding is temperature 1 for log-probs).")
-    logp = F.log_softmax(logits.float() / temperature, dim=-1)
+    logp = F.log_softmax(sampling_logits(logits, temperature=temperature, top_k=top_k), dim=-1)
     return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-def entropy_from_logits(logits: Tensor, *, temperature: float = 1.0) -> Tensor:
-    """Entropy of ``softmax(logits / temperature)`` at each position."""
-    logp = F.log_softmax(logits.float() / temperature, dim=-1)
-    return -(logp.exp() * logp).sum(-1)
+def entropy_from_logits(logits: Tensor, *, temperature: float = 1.0, top_k: int = 0) -> Tensor:
+    """Entropy of the sampling distribution (``sampling_logits``) at each position."""
+    logp = F.log_softmax(sampling_logits(logits, temperature=temperature, top_k=top_k), dim=-1)
+    return -(logp.exp() * logp.masked_fill(torch.isinf(logp), 0.0)).sum(-1)
 
 
 def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str = "k1") -> Tensor:
@@ -116,6 +129,15 @@ def token_rewards(
     rows = torch.nonzero(last >= 0).squeeze(-1)
     rewards[rows, last[rows]] += score[rows].to(rewards.dtype)
     return rewards
+
+
+def response_mask(response: Tensor, eos_id: int) -> Tensor:
+    """1 on each generated token up to and including the first EOS (or on all of them when
+    there is none), 0 after it; found from the EOS id's position, so a pad id equal to
+    the EOS id cannot hide the EOS."""
+    is_eos = (response == eos_id).long()
+    after_eos = (is_eos.cumsum(-1) - is_eos) > 0  # strictly after the first EOS
+    return (~after_eos).long()
 
 
 def gae(rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float, lam: float) -> tuple[Tensor, Tensor]:

@@ -2,13 +2,21 @@
 deterministically (no files, no downloads).
 
 A prompt is ``"a+b="`` with ``a, b`` in ``0..max_operand``; the correct response is the
-decimal sum. Three datasets come from one seed, over disjoint prompt sets:
+decimal sum. Every split draws from the same pool of prompts (400 by default):
 
-- **SFT demonstrations**: the prompt with a response that is right with probability
-  ``1 - sft_error_rate`` and otherwise a plausible wrong sum (off by a small amount), so
-  the SFT policy learns an imperfect habit that preference learning can correct;
-- **preference pairs**: the correct response as ``chosen``, a wrong one as ``rejected``;
-- **evaluation prompts** (held out from both), for task accuracy and PPO's reward.
+- **SFT demonstrations**: ``demos_per_prompt`` responses per prompt, each right with
+  probability ``1 - sft_error_rate`` and otherwise a plausible wrong sum (off by 1, 2 or
+  10), so that the SFT policy learns the demonstrators' mistakes too: sampled at
+  temperature 1 it answers about ``1 - sft_error_rate`` of the prompts right;
+- **preference pairs**: ``pairs_per_prompt`` per prompt, the correct sum as ``chosen`` and
+  a different wrong sum as ``rejected`` in each (no pair repeats, so a held-out pair is
+  never one the reward model trained on);
+- **evaluation prompts**: ``eval_size`` prompts of the pool.
+
+The prompts are shared on purpose: the task measures learning from feedback (does PPO
+remove the mistakes the demonstrations taught, guided by a reward model that learned
+which answers are preferred), not whether a 1M-parameter model generalises arithmetic
+to unseen operands, which it does not in a few minutes of CPU training.
 
 ``score(prompt, response)`` is the programmatic check: 1.0 for the right sum, 0.0 for any
 other string; the pipeline reports it as task accuracy.
@@ -35,20 +43,26 @@ class AdditionTask:
     """Deterministic addition problems; every split is a pure function of the fields."""
 
     seed: int = 0
-    max_operand: int = 59
-    sft_size: int = 1200
-    pref_size: int = 1200
+    max_operand: int = 14
+    demos_per_prompt: int = 8
+    pairs_per_prompt: int = 4
     eval_size: int = 200
     sft_error_rate: float = 0.3
 
     def __post_init__(self) -> None:
-        total = (self.max_operand + 1) ** 2
-        need = self.sft_size + self.pref_size + self.eval_size
-        if need > total:
+        pool = (self.max_operand + 1) ** 2
+        if self.max_operand < 1:
+            raise ValueError(f"AdditionTask.max_operand={self.max_operand} is invalid. Fix: use 1 or more.")
+        if not 1 <= self.eval_size <= pool:
             raise ValueError(
-                f"AdditionTask needs {need} distinct prompts (sft_size + pref_size + eval_size) but operands up to "
-                f"max_operand={self.max_operand} give only {total}. Fix: raise max_operand or shrink the splits."
+                f"AdditionTask.eval_size={self.eval_size} is invalid: operands up to max_operand={self.max_operand} "
+                f"give {pool} prompts. Fix: use 1..{pool}, or raise max_operand."
             )
+        if not 1 <= self.pairs_per_prompt <= len(_DELTAS):
+            raise ValueError(f"AdditionTask.pairs_per_prompt={self.pairs_per_prompt} is invalid. Fix: use "
+                             f"1..{len(_DELTAS)} (one per distinct wrong answer).")
+        if self.demos_per_prompt < 1:
+            raise ValueError(f"AdditionTask.demos_per_prompt={self.demos_per_prompt} is invalid. Fix: use 1 or more.")
         if not 0.0 <= self.sft_error_rate < 1.0:
             raise ValueError(f"AdditionTask.sft_error_rate={self.sft_error_rate} is invalid: it must be in [0, 1).")
 
@@ -78,25 +92,37 @@ class AdditionTask:
         return 1.0 if cls.answer(prompt) == response.strip() else 0.0
 
     @staticmethod
-    def _wrong(a: int, b: int, rng: random.Random) -> str:
-        delta = rng.choice([-10, -2, -1, 1, 2, 10])
+    def _wrong(a: int, b: int, delta: int) -> str:
         wrong = a + b + delta
         return str(wrong if wrong >= 0 else a + b + abs(delta))
 
     def sft(self) -> list[Record]:
         rng = random.Random(self.seed + 1)
         out = []
-        for a, b in self._pairs()[: self.sft_size]:
-            right = rng.random() >= self.sft_error_rate
-            out.append(Record(self.prompt(a, b), response=str(a + b) if right else self._wrong(a, b, rng)))
+        for a, b in self._pairs():
+            for _ in range(self.demos_per_prompt):
+                right = rng.random() >= self.sft_error_rate
+                response = str(a + b) if right else self._wrong(a, b, rng.choice(_DELTAS))
+                out.append(Record(self.prompt(a, b), response=response))
+        rng.shuffle(out)
         return out
 
     def preferences(self) -> list[Record]:
         rng = random.Random(self.seed + 2)
-        start = self.sft_size
-        return [Record(self.prompt(a, b), chosen=str(a + b), rejected=self._wrong(a, b, rng))
-                for a, b in self._pairs()[start : start + self.pref_size]]
+        out = []
+        for a, b in self._pairs():
+            wrongs: list[str] = []
+            for delta in rng.sample(_DELTAS, len(_DELTAS)):
+                w = self._wrong(a, b, delta)
+                if w not in wrongs:
+                    wrongs.append(w)
+            out.extend(Record(self.prompt(a, b), chosen=str(a + b), rejected=w)
+                       for w in wrongs[: self.pairs_per_prompt])
+        rng.shuffle(out)
+        return out
 
     def eval_prompts(self) -> list[Record]:
-        start = self.sft_size + self.pref_size
-        return [Record(self.prompt(a, b)) for a, b in self._pairs()[start : start + self.eval_size]]
+        return [Record(self.prompt(a, b)) for a, b in self._pairs()[: self.eval_size]]
+
+
+_DELTAS = [-10, -2, -1, 1, 2, 10]

@@ -1,0 +1,152 @@
+"""Writing trained RLHF models as Hugging Face folders, from inside a (sharded) run.
+
+Every function here is **collective**: each rank calls it; the parameters are gathered
+one tensor at a time (``engine.state.full_model_state``) and only rank 0 holds the whole
+model, on the CPU, and writes. The folder is written to a temporary sibling and renamed
+into place when complete, so an interrupted export never leaves half a model, and an
+existing folder of the same name is replaced only then.
+
+- a causal LM (the SFT, DPO and PPO policies): ``save_pretrained`` output, LoRA adapters
+  merged into the base first; it loads with ``AutoModelForCausalLM.from_pretrained``;
+- a ``ScalarHeadModel`` (reward model, critic): the backbone's ``save_pretrained`` output
+  plus ``value_head.safetensors`` and ``reward_stats.json`` (the reward mean and std PPO
+  normalises with); it loads with ``ScalarHeadModel.from_pretrained``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+from zeropp_strategy.checkpoint.atomic import new_nonce, publish, remove_stale, tmp_sibling
+from zeropp_strategy.engine.state import full_model_state
+
+__all__ = ["HEAD_FILE", "STATS_FILE", "export_causal_lm", "export_scalar_model"]
+
+HEAD_FILE = "value_head.safetensors"
+STATS_FILE = "reward_stats.json"
+
+
+def _is_writer() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _finish(error: BaseException | None) -> None:
+    """Rank 0 tells every rank whether the write worked, so that a failure there stops all
+    ranks with an error instead of leaving them waiting in the next collective."""
+    failed = [error is not None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(failed, src=0)
+    if error is not None:
+        raise error
+    if failed[0]:
+        raise RuntimeError("zeropp: the export failed on rank 0 (its error is in its log); stopping this rank too.")
+
+
+def _skeleton(model: nn.Module) -> nn.Module:
+    """A CPU model of the same architecture (LoRA adapters included) to load the gathered
+    state into. Built for real, not on the meta device: buffers that are not in the state
+    dict (rotary frequencies) must be computed by the constructor."""
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    peft_config = getattr(model, "peft_config", None)
+    base = model.get_base_model() if peft_config else model
+    factory = AutoModelForCausalLM if base.can_generate() else AutoModel
+    skeleton = factory.from_config(base.config)
+    if peft_config:
+        from peft import get_peft_model
+
+        skeleton = get_peft_model(skeleton, peft_config["default"])
+    return skeleton
+
+
+def _load(skeleton: nn.Module, state: dict[str, Any]) -> nn.Module:
+    missing, unexpected = skeleton.load_state_dict(state, strict=False)
+    if hasattr(skeleton, "tie_weights"):  # tied weights appear once in the state dict
+        skeleton.tie_weights()
+    tied = set(getattr(skeleton, "_tied_weights_keys", None) or [])
+    missing = [k for k in missing if k not in tied]
+    if missing or unexpected:
+        raise RuntimeError(f"export: the gathered state does not fit the model: missing {missing[:5]}, "
+                           f"unexpected {unexpected[:5]}.")
+    return skeleton
+
+
+def _write(directory: str | Path, fill: Any) -> None:
+    """Rank 0: ``fill(tmp)`` writes into a temporary sibling, which then replaces ``directory``."""
+    path = Path(directory)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale(path)
+    nonce = new_nonce()
+    tmp = tmp_sibling(path, nonce)
+    tmp.mkdir()
+    fill(tmp)
+    publish(tmp, path, nonce)
+
+
+def export_causal_lm(model: nn.Module, directory: str | Path, *, tokenizer: Any = None) -> None:
+    """Collective. ``model`` (sharded or not, LoRA or not) as a ``from_pretrained`` folder."""
+    writer = _is_writer()
+    state = full_model_state(model, keep=writer)
+    error = None
+    if writer:
+        try:
+            _write_causal_lm(model, state, directory, tokenizer)
+        except Exception as e:  # noqa: BLE001 - re-raised by _finish after telling the others
+            error = e
+    _finish(error)
+
+
+def _write_causal_lm(model: nn.Module, state: dict[str, Any], directory: str | Path, tokenizer: Any) -> None:
+    from zeropp_strategy.rlhf.models import merged
+
+    plain = merged(_load(_skeleton(model), state))
+    generation = getattr(model, "generation_config", None)
+    if generation is not None:
+        plain.generation_config = generation
+
+    def fill(tmp: Path) -> None:
+        plain.save_pretrained(str(tmp))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+
+    _write(directory, fill)
+
+
+def export_scalar_model(
+    model: nn.Module, directory: str | Path, *, tokenizer: Any = None, stats: dict[str, float] | None = None
+) -> None:
+    """Collective. A ``ScalarHeadModel``: backbone folder + value head + reward statistics."""
+    writer = _is_writer()
+    state = full_model_state(model, keep=writer)
+    error = None
+    if writer:
+        try:
+            _write_scalar_model(model, state, directory, tokenizer, stats)
+        except Exception as e:  # noqa: BLE001 - re-raised by _finish after telling the others
+            error = e
+    _finish(error)
+
+
+def _write_scalar_model(model: nn.Module, state: dict[str, Any], directory: str | Path, tokenizer: Any,
+                        stats: dict[str, float] | None) -> None:
+    from safetensors.torch import save_file
+
+    from zeropp_strategy.rlhf.models import merged
+
+    backbone_state = {k[len("backbone."):]: v for k, v in state.items() if k.startswith("backbone.")}
+    backbone = merged(_load(_skeleton(model.backbone), backbone_state))
+    head = {"weight": state["head.weight"].contiguous()}
+
+    def fill(tmp: Path) -> None:
+        backbone.save_pretrained(str(tmp))
+        save_file(head, str(tmp / HEAD_FILE))
+        (tmp / STATS_FILE).write_text(json.dumps(stats or {"mean": 0.0, "std": 1.0}) + "\n")
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+
+    _write(directory, fill)

@@ -1,0 +1,208 @@
+"""``zeropp pipeline``: SFT -> reward model -> PPO, each stage reading the previous one's output.
+
+    zeropp pipeline --output-dir runs/pipeline                      # the embedded default
+    zeropp pipeline --config recipes/pipeline.yaml --output-dir runs/opt --strategy zeropp_stage_2
+
+The recipe has a ``trainer`` block shared by the three stages and one block per stage
+(``sft``, ``reward``, ``ppo``), each with ``model`` (the module's ``__init__`` arguments)
+and ``trainer`` (overrides of the shared block). Without ``--config`` the embedded default
+runs: a tiny Llama from scratch, a byte-level tokenizer, the addition task; no downloads.
+
+Output, in ``--output-dir``:
+
+    sft/      the SFT policy (Hugging Face folder)
+    reward/   the reward model (backbone folder + value_head.safetensors + reward_stats.json)
+    actor/    the PPO actor, the final model (Hugging Face folder)
+    summary.json
+
+``summary.json`` holds ``sft_task_accuracy`` (greedy decoding of the SFT folder on the
+held-out prompts), ``rm_pairwise_accuracy`` (held-out pairs), ``ppo_reward_before`` /
+``ppo_reward_after`` and ``ppo_task_accuracy_before`` / ``ppo_task_accuracy_after`` (the
+same held-out prompts and sampling draws, before and after PPO), the bytes each stage
+sent, the wall time of each stage and the final actor's folder.
+
+Lightning starts the other processes by re-running this command, so all of this runs on
+every rank; rank 0 writes the summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import time
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+__all__ = ["DEFAULT_RECIPE", "load_recipe", "main", "run_pipeline"]
+
+DEFAULT_RECIPE = "pipeline.yaml"  # shipped in zeropp_strategy/recipes/
+STAGES = ("sft", "reward", "ppo")
+
+
+def load_recipe(path: str | None) -> dict[str, Any]:
+    """The recipe at ``path``, or the embedded default; checked for unknown blocks."""
+    if path is None:
+        text = resources.files("zeropp_strategy.recipes").joinpath(DEFAULT_RECIPE).read_text("utf-8")
+        where = f"<embedded {DEFAULT_RECIPE}>"
+    else:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"zeropp pipeline --config {path!r}: no such file. Fix: pass a recipe path, "
+                                    "or omit --config for the embedded default.")
+        text, where = Path(path).read_text("utf-8"), path
+    recipe = yaml.safe_load(text) or {}
+    if not isinstance(recipe, dict):
+        raise ValueError(f"{where} must be a mapping with blocks trainer, sft, reward, ppo.")
+    unknown = sorted(set(recipe) - {"trainer", *STAGES})
+    if unknown:
+        raise ValueError(f"{where}: unknown block(s) {unknown}. Fix: use only trainer, sft, reward and ppo.")
+    for stage in STAGES:
+        block = recipe.get(stage) or {}
+        extra = sorted(set(block) - {"model", "trainer"})
+        if extra:
+            raise ValueError(f"{where}: {stage} has unknown key(s) {extra}. Fix: put module arguments under "
+                             f"{stage}.model and Trainer arguments under {stage}.trainer.")
+    return recipe
+
+
+def _trainer(recipe: dict[str, Any], stage: str, overrides: dict[str, Any], root: Path) -> Any:
+    from lightning.pytorch import Trainer
+
+    kwargs = {"logger": False, "enable_checkpointing": False, "enable_model_summary": False,
+              "enable_progress_bar": False, "num_sanity_val_steps": 0}
+    kwargs.update(recipe.get("trainer") or {})
+    kwargs.update((recipe.get(stage) or {}).get("trainer") or {})
+    kwargs.update({k: v for k, v in overrides.items() if v is not None})
+    kwargs.setdefault("default_root_dir", str(root / stage))
+    return Trainer(**kwargs)
+
+
+def _ledger_bytes(trainer: Any) -> int | None:
+    ledger = getattr(trainer.strategy, "comm_ledger", None)
+    return ledger.totals().total_bytes if ledger is not None else None
+
+
+def _metric(trainer: Any, name: str) -> float:
+    value = trainer.callback_metrics.get(name)
+    if value is None:
+        raise RuntimeError(f"zeropp pipeline: the run logged no {name!r}; the stage's validation did not run. Fix: "
+                           "give the stage validation data (limit_val_batches > 0).")
+    return float(value)
+
+
+@torch.no_grad()
+def task_accuracy(folder: str | Path, tokenizer: Any, records: list[dict[str, str]], *, greedy: bool = True,
+                  max_new_tokens: int = 8, batch_size: int = 64, seed: int = 0) -> tuple[float, str]:
+    """Task accuracy of the model in ``folder`` (one process), greedy or sampled at
+    temperature 1, and one example completion: this also checks that the folder loads
+    with ``from_pretrained`` and generates."""
+    from transformers import AutoModelForCausalLM
+
+    from zeropp_strategy.rlhf.data import PromptCollator
+    from zeropp_strategy.rlhf.generation import sample
+    from zeropp_strategy.rlhf.ops import response_mask
+    from zeropp_strategy.rlhf.task import AdditionTask
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder)).eval()
+    collate = PromptCollator(tokenizer)
+    right, example = 0, ""
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    generator = torch.Generator().manual_seed(seed)
+    for start in range(0, len(records), batch_size):
+        batch = collate(records[start : start + batch_size])
+        # top_k=1 is greedy decoding
+        out = sample(model, batch["input_ids"], batch["attention_mask"], max_new_tokens=max_new_tokens, eos_id=eos,
+                     pad_id=pad, top_k=1 if greedy else 0, generator=generator)
+        mask = response_mask(out, eos)
+        for prompt, row, m in zip(batch["prompts"], out.tolist(), mask.tolist()):
+            text = tokenizer.decode([t for t, k in zip(row, m) if k and t != eos], skip_special_tokens=True)
+            right += AdditionTask.score(prompt, text) == 1.0
+            example = example or f"{prompt}{text}"
+    return right / max(len(records), 1), example
+
+
+def run_pipeline(recipe: dict[str, Any], output_dir: str | Path, *, strategy: str | None = None,
+                 devices: int | None = None) -> dict[str, Any]:
+    """Run the three stages; returns the summary (written to ``output_dir/summary.json``)."""
+    from lightning.pytorch import seed_everything
+
+    import zeropp_strategy  # noqa: F401 - registers the strategy names
+    from zeropp_strategy.rlhf.data import load_records
+    from zeropp_strategy.rlhf.modules import RewardModule, SFTModule
+    from zeropp_strategy.rlhf.ppo import PPOModule
+
+    root = Path(output_dir)
+    overrides = {"strategy": strategy, "devices": devices}
+    block = {s: copy.deepcopy((recipe.get(s) or {}).get("model") or {}) for s in STAGES}
+    summary: dict[str, Any] = {"bytes_sent_rank0": {}, "seconds": {}}
+
+    # 1. SFT
+    start = time.perf_counter()
+    seed_everything(int(block["sft"].get("seed", 0)), workers=True, verbose=False)
+    sft = SFTModule(**{**block["sft"], "export_dir": str(root / "sft")})
+    trainer = _trainer(recipe, "sft", overrides, root)
+    trainer.fit(sft)
+    summary["bytes_sent_rank0"]["sft"] = _ledger_bytes(trainer)
+    summary["seconds"]["sft"] = round(time.perf_counter() - start, 1)
+    rank0 = trainer.is_global_zero
+    if rank0 and block["sft"].get("data", "embedded:addition") == "embedded:addition":
+        accuracy, example = task_accuracy(root / "sft", sft.tokenizer, load_records("embedded:addition", kind="eval"))
+        summary["sft_task_accuracy"], summary["sft_example"] = round(accuracy, 4), example
+
+    # 2. reward model, from the SFT model's body
+    start = time.perf_counter()
+    seed_everything(int(block["reward"].get("seed", 0)), workers=True, verbose=False)
+    reward = RewardModule(**{"model": str(root / "sft"), **block["reward"], "export_dir": str(root / "reward")})
+    trainer = _trainer(recipe, "reward", overrides, root)
+    trainer.fit(reward)
+    trainer.validate(reward, verbose=False)
+    summary["rm_pairwise_accuracy"] = round(_metric(trainer, "val_accuracy"), 4)
+    summary["bytes_sent_rank0"]["reward"] = _ledger_bytes(trainer)
+    summary["seconds"]["reward"] = round(time.perf_counter() - start, 1)
+
+    # 3. PPO: actor and reference from SFT, critic and reward model from step 2
+    start = time.perf_counter()
+    seed_everything(int(block["ppo"].get("seed", 0)), workers=True, verbose=False)
+    ppo = PPOModule(**{"actor": str(root / "sft"), "reward_model": str(root / "reward"), **block["ppo"],
+                       "export_dir": str(root / "actor")})
+    trainer = _trainer(recipe, "ppo", overrides, root)
+    trainer.validate(ppo, verbose=False)
+    before = {k: _metric(trainer, f"val_{k}") for k in ("reward", "task_accuracy")}
+    trainer.fit(ppo)
+    trainer.validate(ppo, verbose=False)
+    after = {k: _metric(trainer, f"val_{k}") for k in ("reward", "task_accuracy")}
+    summary.update({
+        "ppo_reward_before": round(before["reward"], 4), "ppo_reward_after": round(after["reward"], 4),
+        "ppo_task_accuracy_before": round(before["task_accuracy"], 4),
+        "ppo_task_accuracy_after": round(after["task_accuracy"], 4),
+    })
+    summary["bytes_sent_rank0"]["ppo"] = _ledger_bytes(trainer)
+    summary["seconds"]["ppo"] = round(time.perf_counter() - start, 1)
+    summary["final_actor"] = str(root / "actor")
+    summary["strategy"] = str(trainer.strategy.__class__.__name__)
+    summary["world_size"] = trainer.world_size
+    if rank0:
+        accuracy, example = task_accuracy(root / "actor", ppo.tokenizer, load_records("embedded:addition",
+                                                                                       kind="eval"))
+        summary["actor_greedy_task_accuracy"], summary["actor_example"] = round(accuracy, 4), example
+        (root / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def main(argv: list[str] | None = None, prog: str = "zeropp pipeline") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default=None, help="pipeline recipe (default: the embedded one)")
+    parser.add_argument("--output-dir", required=True, help="where the three models and summary.json go")
+    parser.add_argument("--strategy", default=None, help="override trainer.strategy (e.g. ddp, zeropp_stage_2)")
+    parser.add_argument("--devices", type=int, default=None, help="override trainer.devices")
+    args = parser.parse_args(argv)
+    recipe = load_recipe(args.config)
+    summary = run_pipeline(recipe, args.output_dir, strategy=args.strategy, devices=args.devices)
+    if "sft_task_accuracy" in summary or "actor_example" in summary:  # rank 0
+        print(json.dumps(summary, indent=2))
+    return 0
