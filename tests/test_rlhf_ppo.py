@@ -210,3 +210,22 @@ def test_stage3_generation_gathers_each_block_once(two_ranks):
     # resharded after forward, may be counted once in one run and not the other).
     assert blocks == 2
     assert per_token - once >= blocks * (result["tokens_False"] - 1) - 1, result
+
+
+def test_zeropp_fit_runs_the_ppo_recipe(tmp_path, monkeypatch):
+    """``zeropp fit --config recipes/ppo.yaml`` with command-line overrides, one process;
+    the actor lands in export_dir as a Hugging Face folder."""
+    import json
+    from pathlib import Path
+
+    from zeropp_strategy.cli import main
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "ppo.yaml"
+    monkeypatch.chdir(tmp_path)
+    code = main(["fit", "--config", str(recipe), "--trainer.devices", "1", "--trainer.strategy", "auto",
+                 "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "1", "--trainer.limit_val_batches", "1",
+                 "--trainer.enable_progress_bar", "false", "--model.actor", json.dumps(SMALL),
+                 "--model.reward_model", json.dumps(SMALL), "--model.rollout_batch_size", "4",
+                 "--model.mini_batch_size", "2", "--model.kl_estimator", "k3"])
+    assert code == 0
+    assert (tmp_path / "runs" / "ppo" / "actor" / "config.json").is_file()

@@ -2,7 +2,7 @@
 deterministically (no files, no downloads).
 
 A prompt is ``"a+b="`` with ``a, b`` in ``0..max_operand``; the correct response is the
-decimal sum. Every split draws from the same pool of prompts (400 by default):
+decimal sum. Every split draws from the same pool of prompts (225 by default):
 
 - **SFT demonstrations**: ``demos_per_prompt`` responses per prompt, each right with
   probability ``1 - sft_error_rate`` and otherwise a plausible wrong sum (off by 1, 2 or

@@ -1,0 +1,95 @@
+"""CommVolumeMonitor, MemoryMonitor and ThroughputMonitor report exactly what the ledger and
+the tensors say, on 2 ranks (one node) and 4 ranks (two simulated nodes, ZeRO++ on)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests._dist import run_ranks
+
+
+def _worker(rank: int, world: int, stage: int) -> dict:
+    import torch
+    from lightning.pytorch import Callback, Trainer, seed_everything
+    from lightning.pytorch.loggers import CSVLogger
+
+    from tests._models import ParityModule, trainer_kwargs
+    from zeropp_strategy import ZeroPPStrategy
+    from zeropp_strategy.callbacks import CommVolumeMonitor, MemoryMonitor, ThroughputMonitor
+
+    class Check(Callback):
+        """Independent readings, after the monitors (callbacks run in list order)."""
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.before = trainer.strategy.comm_ledger.totals()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            after = trainer.strategy.comm_ledger.totals()
+            self.step_bytes = after.total_bytes - self.before.total_bytes
+            self.step_inter = after.inter_bytes - self.before.inter_bytes
+            local = [p.to_local() if hasattr(p, "to_local") else p for p in pl_module.parameters()]
+            # Storages, counted once each: FSDP2 pads each shard, and the padding is held too.
+            self.param_bytes = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in local}.values())
+            self.tokens = batch[0].shape[0] * batch[0].shape[1] if batch[0].dim() > 1 else batch[0].shape[0]
+
+    fields = {"stage": stage}
+    if world == 4:
+        fields.update(simulated_nodes=2, quantized_weights=True, quantized_gradients=True, quantize_min_elems=0)
+    seed_everything(0)
+    comm, memory, throughput, check = CommVolumeMonitor(), MemoryMonitor(raise_stage_fraction=0.0), ThroughputMonitor(), Check()
+    import tempfile
+
+    logdir = tempfile.mkdtemp()
+    trainer = Trainer(strategy=ZeroPPStrategy(**fields), callbacks=[comm, memory, throughput, check],
+                      **trainer_kwargs(world, max_steps=3, logger=CSVLogger(logdir)))
+    with pytest.warns(UserWarning, match="would free") if stage < 3 and rank == 0 else _nothing():
+        trainer.fit(ParityModule())
+    logged = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    return {"comm": comm.last, "memory": memory.last, "throughput": throughput.last, "step_bytes": check.step_bytes,
+            "step_inter": check.step_inter, "param_bytes": check.param_bytes, "tokens": check.tokens,
+            "logged": logged, "torch_ok": torch.isfinite(torch.tensor(list(logged.values()))).all().item()}
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.parametrize("world,stage", [(2, 1), (2, 3), (4, 3)])
+def test_monitors_report_the_ledger_and_the_tensors(world, stage):
+    results = run_ranks(_worker, world, (stage,), timeout_s=300)
+    for r in results:
+        assert r["comm"]["comm/total_bytes"] == r["step_bytes"] > 0
+        assert r["comm"]["comm/inter_bytes"] == r["step_inter"]
+        kinds = sum(v for k, v in r["comm"].items() if k.endswith("_bytes") and k.count("/") == 1
+                    and k not in ("comm/total_bytes", "comm/intra_bytes", "comm/inter_bytes"))
+        assert kinds == r["comm"]["comm/total_bytes"]
+        assert r["memory"]["memory/param_bytes"] == r["param_bytes"]
+        assert r["memory"]["memory/total_bytes"] == (r["memory"]["memory/param_bytes"] + r["memory"]["memory/grad_bytes"]
+                                                     + r["memory"]["memory/optimizer_bytes"])
+        assert r["throughput"]["throughput/tokens_per_sec"] * r["throughput"]["throughput/step_seconds"] == \
+            pytest.approx(r["tokens"])
+        assert r["logged"]["comm/total_bytes"] == r["comm"]["comm/total_bytes"]
+        assert r["torch_ok"]
+    if world == 4:  # two simulated nodes with qwZ + qgZ: cross-node bytes shrink
+        assert results[0]["comm"]["comm/inter_bytes"] > 0
+        assert results[0]["comm"]["comm/inter_vs_unquantized"] < 0.5
+    else:
+        assert results[0]["comm"]["comm/vs_unquantized"] == 1.0
+
+
+def test_monitors_warn_and_stay_silent_under_another_strategy(tmp_path):
+    from lightning.pytorch import Trainer
+
+    from tests._models import ParityModule, trainer_kwargs
+    from zeropp_strategy.callbacks import CommVolumeMonitor, ThroughputMonitor
+
+    throughput = ThroughputMonitor()
+    trainer = Trainer(callbacks=[CommVolumeMonitor(), throughput], **trainer_kwargs(1, max_steps=2))
+    with pytest.warns(UserWarning, match="CommVolumeMonitor reports what strategy='zeropp' does"):
+        trainer.fit(ParityModule())
+    assert "comm/total_bytes" not in trainer.callback_metrics
+    assert throughput.last["throughput/samples_per_sec"] > 0
