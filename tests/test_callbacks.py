@@ -41,13 +41,13 @@ def _worker(rank: int, world: int, stage: int) -> dict:
 
     logdir = tempfile.mkdtemp()
     trainer = Trainer(strategy=ZeroPPStrategy(**fields), callbacks=[comm, memory, throughput, check],
-                      **trainer_kwargs(world, max_steps=3, logger=CSVLogger(logdir)))
+                      **trainer_kwargs(world, max_steps=3, logger=CSVLogger(logdir), log_every_n_steps=1))
     with pytest.warns(UserWarning, match="would free") if stage < 3 and rank == 0 else _nothing():
         trainer.fit(ParityModule())
     logged = {k: float(v) for k, v in trainer.callback_metrics.items()}
     return {"comm": comm.last, "memory": memory.last, "throughput": throughput.last, "step_bytes": check.step_bytes,
             "step_inter": check.step_inter, "param_bytes": check.param_bytes, "tokens": check.tokens,
-            "logged": logged, "torch_ok": torch.isfinite(torch.tensor(list(logged.values()))).all().item()}
+            "logged": logged, "logdir": logdir, "torch_ok": torch.isfinite(torch.tensor(list(logged.values()))).all().item()}
 
 
 class _nothing:
@@ -74,11 +74,39 @@ def test_monitors_report_the_ledger_and_the_tensors(world, stage):
             pytest.approx(r["tokens"])
         assert r["logged"]["comm/total_bytes"] == r["comm"]["comm/total_bytes"]
         assert r["torch_ok"]
-    if world == 4:  # two simulated nodes with qwZ + qgZ: cross-node bytes shrink
-        assert results[0]["comm"]["comm/inter_bytes"] > 0
-        assert results[0]["comm"]["comm/inter_vs_unquantized"] < 0.5
-    else:
-        assert results[0]["comm"]["comm/vs_unquantized"] == 1.0
+    try:
+        if world == 4:  # two simulated nodes with qwZ + qgZ: cross-node bytes shrink
+            assert results[0]["comm"]["comm/inter_bytes"] > 0
+            assert results[0]["comm"]["comm/inter_vs_unquantized"] < 0.5
+            _check_report(results[0]["logdir"])
+        else:
+            assert results[0]["comm"]["comm/vs_unquantized"] == 1.0
+    finally:
+        import shutil
+
+        for r in results:
+            shutil.rmtree(r["logdir"], ignore_errors=True)
+
+
+def _check_report(logdir):
+    """``zeropp report`` on the 4-rank run's CSV: four labelled, non-empty PNGs."""
+    from pathlib import Path
+
+    from zeropp_strategy.cli import main
+    from zeropp_strategy.report import make_report
+
+    assert main(["report", logdir]) == 0
+    result = make_report(logdir)
+    plots = result["plots"]
+    assert set(plots) == {"loss", "comm", "memory", "throughput"} and not result["missing"]
+    assert {"param_allgather_fwd", "param_allgather_bwd", "grad_reduce"} <= set(plots["comm"]["series"])
+    assert plots["memory"]["series"] == ["held", "ZeRO formula"] and plots["memory"]["ylabel"] == "MiB"
+    assert plots["loss"]["series"] == ["train_loss"]
+    for info in plots.values():
+        png = Path(result["out"]) / info["file"]
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000, png
+    text = (Path(result["out"]) / "report.md").read_text()
+    assert "## Communication" in text and "![memory](memory.png)" in text
 
 
 def test_monitors_warn_and_stay_silent_under_another_strategy(tmp_path):
@@ -93,3 +121,22 @@ def test_monitors_warn_and_stay_silent_under_another_strategy(tmp_path):
         trainer.fit(ParityModule())
     assert "comm/total_bytes" not in trainer.callback_metrics
     assert throughput.last["throughput/samples_per_sec"] > 0
+
+
+def test_report_skips_what_was_not_logged_and_says_why(tmp_path):
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.loggers import CSVLogger
+
+    from tests._models import ParityModule, trainer_kwargs
+    from zeropp_strategy.callbacks import ThroughputMonitor
+    from zeropp_strategy.report import make_report
+
+    trainer = Trainer(callbacks=[ThroughputMonitor()],
+                      **trainer_kwargs(1, max_steps=4, logger=CSVLogger(tmp_path), log_every_n_steps=1))
+    trainer.fit(ParityModule())
+    result = make_report(tmp_path, tmp_path / "out")
+    assert set(result["plots"]) == {"loss", "throughput"}
+    assert any("CommVolumeMonitor" in m for m in result["missing"])
+    assert any("MemoryMonitor" in m for m in result["missing"])
+    with pytest.raises(FileNotFoundError, match="no metrics.csv.*Fix"):
+        make_report(tmp_path / "out")

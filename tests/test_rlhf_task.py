@@ -15,7 +15,9 @@ def test_splits_are_deterministic_and_as_specified():
     assert task.sft() != AdditionTask(seed=4).sft()
     pool = (task.max_operand + 1) ** 2
     assert len(task.sft()) == pool * task.demos_per_prompt
-    assert len(task.preferences()) == pool * task.pairs_per_prompt
+    # Every prompt gets pairs_per_prompt pairs, except "0+0=": no sum is negative, so it has
+    # only three distinct wrong answers (1, 2, 10).
+    assert len(task.preferences()) == pool * task.pairs_per_prompt - 1
     assert len({r.prompt for r in task.eval_prompts()}) == task.eval_size
     # No preference pair repeats: a held-out pair was never trained on.
     pairs = [(r.prompt, r.chosen, r.rejected) for r in task.preferences()]

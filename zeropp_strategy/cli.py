@@ -4,6 +4,7 @@
     zeropp demo [--strategy ddp] [--max-steps 60] ...   # see `zeropp demo --help`
     zeropp fit --config recipes/sft.yaml [--model.lr 1e-4 --trainer.max_steps 100 ...]
     zeropp pipeline --output-dir runs/pipeline [--config recipes/pipeline.yaml]
+    zeropp report runs/demo                             # PNG plots + report.md of a logged run
 
 A subcommand is a function ``argv -> exit code`` plus one line in ``SUBCOMMANDS``; it
 parses its own flags, so the top-level parser only picks the function and forwards the
@@ -35,6 +36,12 @@ def _pipeline(argv: list[str]) -> int:
     return main(argv, prog="zeropp pipeline")
 
 
+def _report(argv: list[str]) -> int:
+    from zeropp_strategy import report
+
+    return report.main(argv, prog="zeropp report")
+
+
 def _consolidate(argv: list[str]) -> int:
     from zeropp_strategy.checkpoint import consolidate
 
@@ -46,6 +53,7 @@ SUBCOMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "demo": (_demo, "train a tiny causal LM on 2 CPU processes under strategy='zeropp'"),
     "fit": (_fit, "LightningCLI fit of an RLHF module: zeropp fit --config recipes/sft.yaml [--field value ...]"),
     "pipeline": (_pipeline, "SFT -> reward model -> PPO in sequence, with summary.json: zeropp pipeline --output-dir DIR"),
+    "report": (_report, "a run's metrics.csv as PNG plots (loss, bytes, memory, throughput) and report.md"),
     "consolidate": (_consolidate, "sharded checkpoint -> one Lightning file, or a Hugging Face folder (--hf)"),
 }
 

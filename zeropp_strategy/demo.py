@@ -174,6 +174,17 @@ def _rank_report(trainer: L.Trainer) -> str:
     return "\n".join(f"[rank {trainer.global_rank}] {line}" for text in lines for line in text.splitlines())
 
 
+def _monitors(strategy: str) -> list:
+    """Per-step bytes, memory and throughput in metrics.csv (for `zeropp report`); the first
+    two need the zeropp strategy."""
+    from zeropp_strategy.callbacks import CommVolumeMonitor, MemoryMonitor, ThroughputMonitor
+
+    monitors: list = [ThroughputMonitor()]
+    if strategy.startswith("zeropp"):
+        monitors += [CommVolumeMonitor(), MemoryMonitor(raise_stage_fraction=1.0)]
+    return monitors
+
+
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     args = build_parser(prog).parse_args(argv)
     output_dir = _output_dir(args.output_dir)
@@ -191,6 +202,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         check_val_every_n_epoch=None,
         limit_val_batches=4,
         logger=CSVLogger(output_dir),
+        callbacks=_monitors(args.strategy),
         enable_checkpointing=False,
         enable_model_summary=False,
         # every 5 steps, but at least twice in a short run so "from -> to" means something
@@ -215,6 +227,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             ]
         else:
             lines.append("[rank 0] no train_loss was logged")
+        lines.append(f"[rank 0] plots of this run: zeropp report {trainer.logger.log_dir}")
         print("\n".join(lines), flush=True)
     return 0
 

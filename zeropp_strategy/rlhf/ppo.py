@@ -398,8 +398,9 @@ class PPOModule(LightningModule):
             "response_length": mask.sum(-1).mean(),
             "eos_fraction": exp["has_eos"].float().mean(),
         })
-        if self.eval_checker is not None:
-            logs["task_accuracy"] = self._accuracy(batch["prompts"], exp)
+        checker = self.task_checker(hp.data)
+        if checker is not None:
+            logs["task_accuracy"] = self._accuracy(checker, batch["prompts"], exp)
         self.log_dict({f"train_{k}": v for k, v in logs.items()}, sync_dist=True, prog_bar=False)
         self.log("train_reward_mean", logs["reward"], sync_dist=True, prog_bar=True)
 
@@ -420,18 +421,18 @@ class PPOModule(LightningModule):
 
     # -- evaluation -------------------------------------------------------------------------
 
-    @property
-    def eval_checker(self) -> Any:
-        """The task's own correctness check, for the embedded task (``None`` otherwise)."""
-        if self.hparams.data.startswith("embedded:") or str(self.hparams.eval_data).startswith("embedded:"):
+    @staticmethod
+    def task_checker(source: str | None) -> Any:
+        """The task's own correctness check for prompts from ``source``: the embedded
+        task's ``score`` for ``embedded:addition``, ``None`` (no task accuracy) otherwise."""
+        if source == "embedded:addition":
             from zeropp_strategy.rlhf.task import AdditionTask
 
             return AdditionTask.score
         return None
 
-    def _accuracy(self, prompts: list[str], exp: dict[str, Tensor]) -> Tensor:
+    def _accuracy(self, checker: Any, prompts: list[str], exp: dict[str, Tensor]) -> Tensor:
         texts = self.decode_responses(exp["response"], exp["mask"])
-        checker = self.eval_checker
         return torch.tensor([checker(p, t) for p, t in zip(prompts, texts)], device=self.device).mean()
 
     def decode_responses(self, response: Tensor, mask: Tensor) -> list[str]:
@@ -449,8 +450,10 @@ class PPOModule(LightningModule):
         self.log("val_reward", exp["raw_score"].mean(), sync_dist=True, prog_bar=True)
         self.log("val_response_length", mask.sum(-1).mean(), sync_dist=True)
         self.log("val_eos_fraction", exp["has_eos"].float().mean(), sync_dist=True)
-        if self.eval_checker is not None:
-            self.log("val_task_accuracy", self._accuracy(batch["prompts"], exp), sync_dist=True, prog_bar=True)
+        checker = self.task_checker(self.hparams.eval_data)
+        if checker is not None:
+            self.log("val_task_accuracy", self._accuracy(checker, batch["prompts"], exp), sync_dist=True,
+                     prog_bar=True)
 
     # -- optimizers and export --------------------------------------------------------------
 

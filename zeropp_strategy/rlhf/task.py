@@ -8,7 +8,8 @@ decimal sum. Every split draws from the same pool of prompts (225 by default):
   probability ``1 - sft_error_rate`` and otherwise a plausible wrong sum (off by 1, 2 or
   10), so that the SFT policy learns the demonstrators' mistakes too: sampled at
   temperature 1 it answers about ``1 - sft_error_rate`` of the prompts right;
-- **preference pairs**: ``pairs_per_prompt`` per prompt, the correct sum as ``chosen`` and
+- **preference pairs**: ``pairs_per_prompt`` per prompt (``0+0=`` has only three distinct
+  wrong sums, so it gets at most three), the correct sum as ``chosen`` and
   a different wrong sum as ``rejected`` in each (no pair repeats, so a held-out pair is
   never one the reward model trained on);
 - **evaluation prompts**: ``eval_size`` prompts of the pool.
