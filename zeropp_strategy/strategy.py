@@ -83,6 +83,11 @@ from zeropp_strategy.topology import Meshes, Topology
 
 log = logging.getLogger(__name__)
 _TENSORS = "__zeropp_tensors__"  # optimizer_state() -> save_checkpoint hand-off key
+# A callback's state_dict() may hold DTensor shards under this key (ShardedEMA): in the
+# sharded format they go to the DCP files with the model, under "callbacks.<id>", and the
+# callback's entry in the meta file keeps only the id (CALLBACK_TENSORS_ID).
+CALLBACK_TENSORS = "__zeropp_shards__"
+CALLBACK_TENSORS_ID = "__zeropp_shards_id__"
 
 #: Registry names -> ZeroConfig fields they set. ``zeropp`` is stage 3 plus ZeRO++.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -441,6 +446,16 @@ class ZeroPPStrategy(ProcessMixin, ParallelStrategy):
         if optimizer_states is not None:
             tensors["optim"] = {str(i): dict(s)[_TENSORS] for i, s in enumerate(optimizer_states)}
             checkpoint["optimizer_states"] = [{k: v for k, v in s.items() if k != _TENSORS} for s in optimizer_states]
+        callback_states = checkpoint.get("callbacks")
+        if isinstance(callback_states, dict):
+            moved: dict[str, Any] = {}
+            for i, (key, state) in enumerate(list(callback_states.items())):
+                if isinstance(state, dict) and CALLBACK_TENSORS in state:
+                    moved[str(i)] = state[CALLBACK_TENSORS]
+                    callback_states[key] = {**{k: v for k, v in state.items() if k != CALLBACK_TENSORS},
+                                            CALLBACK_TENSORS_ID: str(i)}
+            if moved:
+                tensors["callbacks"] = moved
         checkpoint["zeropp"] = self._checkpoint_info()
         with staged_directory(path, nonce, is_writer=self.is_global_zero) as tmp:
             self.barrier()  # the directory exists before anyone writes
@@ -483,6 +498,21 @@ class ZeroPPStrategy(ProcessMixin, ParallelStrategy):
         if not path.is_file():
             raise FileNotFoundError(f"checkpoint {path} does not exist. Fix: check ckpt_path.")
         return safe_load(path, weights_only)
+
+    def load_callback_tensors(self, state: Mapping[str, Any], targets: dict[str, Tensor]) -> bool:
+        """For callbacks whose ``state_dict()`` put DTensor shards under ``CALLBACK_TENSORS``:
+        in a sharded checkpoint those were saved with the model; read them into ``targets``
+        (DTensors laid out as now, filled in place). Returns False when ``state`` holds no
+        such reference (a full checkpoint: the callback's state has the tensors itself)."""
+        if CALLBACK_TENSORS_ID not in state:
+            return False
+        if self._sharded_path is None:
+            raise RuntimeError("a callback's sharded tensors are referenced, but no sharded checkpoint is being "
+                               "loaded. Fix: resume from the checkpoint directory the state came from.")
+        import torch.distributed.checkpoint as dcp
+
+        dcp.load({"callbacks": {state[CALLBACK_TENSORS_ID]: targets}}, checkpoint_id=str(self._sharded_path))
+        return True
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         assert self.lightning_module is not None

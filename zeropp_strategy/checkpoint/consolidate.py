@@ -51,6 +51,7 @@ from zeropp_strategy.checkpoint.atomic import META_FILE, OLD_TAG, TMP_TAG
 from zeropp_strategy.checkpoint.sharded import FORMAT as SHARDED_FORMAT
 from zeropp_strategy.checkpoint.sharded import TENSOR as TENSOR_MARK
 from zeropp_strategy.checkpoint.sharded import VERSION as FORMAT_VERSION
+from zeropp_strategy.checkpoint.sharded import canonical
 
 __all__ = ["consolidate", "parse_size", "main"]
 
@@ -135,6 +136,7 @@ class _ShardedCheckpoint:
         self._order = list(dict.fromkeys([*ordered, *self._entries]))
         tok = self.zeropp.get("tokenizer_dir")
         self.tokenizer_dir = path / tok if tok else None
+        self.ema_keys: dict[str, str] = {}  # model fqn -> DCP key of its average (use_ema)
 
     def model_keys(self) -> list[str]:
         return [key[len("model.") :] for key in self._order if key.startswith("model.")]
@@ -164,7 +166,20 @@ class _ShardedCheckpoint:
         return out
 
     def read_model(self, fqn: str) -> torch.Tensor:
+        if fqn in self.ema_keys:  # consolidate(ema=True): the averaged weights instead
+            return self.read(self.ema_keys[fqn]).to(self.model_spec(fqn)[1])
         return self.read("model." + fqn)
+
+    def use_ema(self) -> int:
+        """Read ShardedEMA's averages in place of the trained weights; returns how many."""
+        state = _ema_state(self.meta.get("callbacks"), self.path)
+        ident = state.get(_CALLBACK_TENSORS_ID)
+        if ident is None:
+            raise ValueError(f"{self.path}: the ShardedEMA state holds no sharded tensors. Fix: consolidate the "
+                             "checkpoint the run wrote, unchanged.")
+        prefix = f"callbacks.{ident}."
+        self.ema_keys = {canonical(k[len(prefix):]): k for k in self._entries if k.startswith(prefix)}
+        return len(self.ema_keys)
 
 
 class _FullCheckpoint:
@@ -174,7 +189,15 @@ class _FullCheckpoint:
         self.path = path
         self.zeropp: dict[str, Any] = checkpoint.get("zeropp") or {}
         self._state: dict[str, Any] = checkpoint["state_dict"]
+        self._callbacks = checkpoint.get("callbacks")
         self.tokenizer_dir = None
+        self.ema: dict[str, torch.Tensor] = {}
+
+    def use_ema(self) -> int:
+        """Read ShardedEMA's averages in place of the trained weights; returns how many."""
+        state = _ema_state(self._callbacks, self.path)
+        self.ema = {canonical(k): v for k, v in (state.get("ema") or {}).items()}
+        return len(self.ema)
 
     def model_keys(self) -> list[str]:
         return [k for k, v in self._state.items() if isinstance(v, torch.Tensor)]
@@ -184,8 +207,24 @@ class _FullCheckpoint:
         return t.shape, t.dtype
 
     def read_model(self, fqn: str) -> torch.Tensor:
+        if fqn in self.ema:
+            return self.ema[fqn].to(self._state[fqn].dtype).clone(memory_format=torch.contiguous_format)
         # A copy: tied weights share storage in a torch.save'd file, and safetensors refuses that.
         return self._state[fqn].clone(memory_format=torch.contiguous_format)
+
+
+_CALLBACK_TENSORS_ID = "__zeropp_shards_id__"  # zeropp_strategy.strategy.CALLBACK_TENSORS_ID
+
+
+def _ema_state(callbacks: Any, path: Path) -> Mapping[str, Any]:
+    """The ShardedEMA entry of a checkpoint's callback states."""
+    found = [v for k, v in (callbacks or {}).items() if str(k).startswith("ShardedEMA") and isinstance(v, Mapping)]
+    if not found:
+        raise ValueError(f"{path} holds no ShardedEMA state, so there is no average to export. Fix: train with "
+                         "Trainer(callbacks=[zeropp_strategy.callbacks.ShardedEMA(...)]), or drop --ema.")
+    if len(found) > 1:
+        raise ValueError(f"{path} holds {len(found)} ShardedEMA states. Fix: use one ShardedEMA per run.")
+    return found[0]
 
 
 def _not_sharded_error(path: Path) -> ValueError:
@@ -519,6 +558,7 @@ def consolidate(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     weights_only: bool = True,
     overwrite: bool = False,
+    ema: bool = False,
 ) -> Path:
     """Consolidate the checkpoint ``ckpt`` into ``out``; returns ``out``.
 
@@ -537,6 +577,8 @@ def consolidate(
         weights_only: load the pickled parts with ``torch.load(weights_only=True)``. Pass False
             only for trusted files that hold other Python objects.
         overwrite: replace an existing ``out``.
+        ema: write the weights averaged by the run's ``ShardedEMA`` callback instead of the
+            trained ones (parameters it did not average, e.g. frozen ones, as saved).
     """
     src_path, out_path = Path(ckpt), Path(out)
     cast = _dtype(dtype)
@@ -554,6 +596,8 @@ def consolidate(
         )
 
     src = _open(src_path, weights_only=weights_only)
+    if ema:
+        src.use_ema()
     if not hf and isinstance(src, _FullCheckpoint):
         raise ValueError(
             f"{src_path} is already a full (one-file) checkpoint: there is nothing to consolidate. "
@@ -611,6 +655,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--unsafe-load", action="store_true",
                    help="torch.load with weights_only=False: runs arbitrary code, trusted files only")  # fmt: skip
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--ema", action="store_true", help="the ShardedEMA callback's averaged weights instead of the trained ones")
     return p
 
 
@@ -631,6 +676,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             max_shard_bytes=max_shard_bytes,
             weights_only=not args.unsafe_load,
             overwrite=args.overwrite,
+            ema=args.ema,
         )
     except (FileNotFoundError, FileExistsError, ValueError, RuntimeError) as err:
         print(f"{name}: error: {err}", file=sys.stderr)
