@@ -21,6 +21,7 @@ Lifecycle (what happens where, and why there):
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -121,6 +122,11 @@ class ZeroPPStrategy(ProcessMixin, ParallelStrategy):
         precision_plugin: as for every Lightning strategy (usually set by the Trainer).
         process_group_backend: ``"gloo"``/``"nccl"``; default from the device.
         timeout: collective timeout.
+        on_nonfinite: what a NaN/inf loss or gradient does (fp32/bf16; fp16's loss scaler
+            handles overflow itself): ``"ignore"`` (default, no check), ``"raise"``
+            (``FloatingPointError`` on every rank naming the step, the first non-finite
+            parameter and its rank), ``"skip"`` (no update for that step on any rank). The
+            check is one all-reduce of a flag per optimizer step.
         **config_fields: any ``ZeroConfig`` field, overriding ``config`` (e.g.
             ``stage=2``, ``wrap_modules=["GPT2Block"]``).
     """
@@ -138,9 +144,15 @@ class ZeroPPStrategy(ProcessMixin, ParallelStrategy):
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        on_nonfinite: str = "ignore",
         **config_fields: Any,
     ) -> None:
+        if on_nonfinite not in ("ignore", "raise", "skip"):
+            raise ValueError(f"ZeroPPStrategy(on_nonfinite={on_nonfinite!r}) is invalid. Fix: use 'ignore', 'raise' "
+                             "(stop with the step and the first non-finite parameter) or 'skip' (drop that step).")
         self.config = ZeroConfig.coerce(config, where="ZeroPPStrategy(config)", overrides=config_fields)
+        self.on_nonfinite = on_nonfinite
+        self.skipped_steps = 0  # optimizer steps dropped by on_nonfinite="skip"
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -365,6 +377,62 @@ class ZeroPPStrategy(ProcessMixin, ParallelStrategy):
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         with self.comm_ledger.phase(Phase.BACKWARD):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        if self.on_nonfinite == "ignore" or getattr(self.precision_plugin, "scaler", None) is not None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+        def checked() -> Any:
+            out = closure()
+            self._check_nonfinite(out)
+            return out
+
+        return super().optimizer_step(optimizer, checked, model, **kwargs)
+
+    @torch.no_grad()
+    def _check_nonfinite(self, loss: Any) -> None:
+        """After backward: one all-reduce says whether any rank has a non-finite loss or
+        gradient (its own shard); then every rank raises the same error, or drops the
+        gradients so that the optimizer skips the step."""
+        import torch.distributed as dist
+
+        assert self.lightning_module is not None
+        params = [(n, p) for n, p in self.lightning_module.named_parameters() if p.grad is not None]
+        first = None
+        for name, p in params:
+            g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            if not torch.isfinite(g).all():
+                first = name
+                break
+        loss_value = float(loss.detach()) if isinstance(loss, Tensor) and loss.numel() == 1 else None
+        bad_loss = loss_value is not None and not torch.isfinite(torch.tensor(loss_value))
+        flag = torch.tensor([1.0 if (first is not None or bad_loss) else 0.0], device=self.root_device)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() == 0:
+            return
+        step = self.lightning_module.trainer.global_step if self.lightning_module._trainer is not None else -1
+        reports: list[Any] = [(first, loss_value)]
+        if dist.is_initialized():
+            reports = [None] * dist.get_world_size()
+            dist.all_gather_object(reports, (first, loss_value))
+        where = next(((r, name) for r, (name, _) in enumerate(reports) if name is not None), None)
+        losses = ", ".join(f"rank {r}: {v:.4g}" for r, (_, v) in enumerate(reports) if v is not None)
+        bad_ranks = [str(r) for r, (_, v) in enumerate(reports) if v is not None and not math.isfinite(v)]
+        parts = [f"non-finite loss on rank(s) {', '.join(bad_ranks)}"] if bad_ranks else []
+        if where:  # after the gradient reduction, so one rank's NaN shows on every rank
+            parts.append(f"first non-finite gradient in {where[1]!r} on rank {where[0]}")
+        what = "; ".join(parts)
+        if self.on_nonfinite == "raise":
+            raise FloatingPointError(
+                f"zeropp: non-finite values at optimizer step {step}: {what} (losses: {losses}). Fix: lower the "
+                "learning rate, check this step's data, prefer bf16 to fp16, or pass "
+                "ZeroPPStrategy(on_nonfinite='skip') to drop such steps."
+            )
+        for _, p in self.lightning_module.named_parameters():
+            p.grad = None  # optimizers skip parameters without a gradient: no update, no state change
+        self.skipped_steps += 1
+        log.warning("zeropp: skipped optimizer step %d on every rank: %s (losses: %s)", step, what, losses)
 
     def pre_backward(self, closure_loss: Tensor) -> None:
         # Manual optimization under DDP (stage 1) must tell the reducer what to expect.

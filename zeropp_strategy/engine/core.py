@@ -112,7 +112,9 @@ class ZeroEngine:
         precision: ZeroPPPrecision,
         info: Callable[[str], None] = log.info,
     ) -> ZeroEngine:
-        """Call once the default process group exists (every rank)."""
+        """Call once the default process group exists (every rank). Its first collective
+        checks that every rank was given the same config (``check_same_config``)."""
+        check_same_config(config, world_size)
         topology = Topology.detect(world_size, rank, ranks_per_node=ranks_per_node, simulated_nodes=config.simulated_nodes)
         meshes = topology.build_meshes(device.type)
         ledger = CommLedger(topology)
@@ -449,6 +451,48 @@ class ZeroEngine:
         if failed >= 0:
             raise RuntimeError(f"zeropp: {what} failed on rank {failed} (its error is in its log); stopping this rank too.")
         return result
+
+
+def _comparable(config: ZeroConfig) -> dict[str, Any]:
+    """The config fields that must agree across ranks: all of them, except the NVMe paths,
+    which may differ per node (a different mount point on each machine)."""
+    d = config.to_dict()
+    for key in ("offload_optimizer", "offload_param"):
+        if isinstance(d.get(key), dict):
+            d[key] = {k: v for k, v in d[key].items() if k != "nvme_path"}
+    return d
+
+
+def check_same_config(config: ZeroConfig, world_size: int) -> None:
+    """Collective (one object all-gather): every rank raises the same ``ValueError`` when
+    the ranks were given different configs (stage, bits, hpZ size...), naming each field
+    that differs, the ranks and their values, instead of entering mismatched collectives
+    and hanging."""
+    if world_size <= 1 or not dist.is_initialized():
+        return
+    mine = _comparable(config)
+    everyone: list[Any] = [None] * world_size
+    dist.all_gather_object(everyone, mine)
+    if all(d == everyone[0] for d in everyone):
+        return
+    lines = []
+    for key in sorted(set().union(*everyone)):
+        values = [d.get(key) for d in everyone]
+        if any(v != values[0] for v in values):
+            by_value: dict[str, list[int]] = {}
+            for rank, v in enumerate(values):
+                by_value.setdefault(repr(v), []).append(rank)
+            shown = "; ".join(f"ranks {_ranks(r)} have {v}" for v, r in by_value.items())
+            lines.append(f"{key}: {shown}")
+    raise ValueError(
+        "zeropp: the ranks were given different ZeroConfigs, and mismatched collectives would hang: "
+        + " | ".join(lines) + ". Fix: give every rank the same configuration (the same recipe, command-line "
+        "arguments and ZEROPP_* environment variables)."
+    )
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ",".join(str(r) for r in ranks[:8]) + (f",... ({len(ranks)} ranks)" if len(ranks) > 8 else "")
 
 
 def unwrap(module: nn.Module) -> nn.Module:
