@@ -69,3 +69,21 @@ def test_long_sequences_cut_the_prompt_from_the_left(tok):
     assert len(ids) == 6 and ids[-2:] == tok("9", add_special_tokens=False).input_ids + [tok.eos_token_id]
     assert labels[-2:] == ids[-2:] and labels[:4] == [IGNORE] * 4
     assert torch.tensor(ids).dtype == torch.long
+
+
+def test_sft_packing_keeps_every_example_and_its_labels_and_restarts_positions():
+    from zeropp_strategy.rlhf.data import SFTCollator
+    from zeropp_strategy.rlhf.models import build_tokenizer
+
+    tok = build_tokenizer(None)
+    records = [{"prompt": f"{a}+{a + 1}=", "response": str(2 * a + 1)} for a in range(12)]
+    plain = SFTCollator(tok, max_length=32)(records)
+    packed = SFTCollator(tok, max_length=32, pack=True)(records)
+    assert packed["input_ids"].shape[0] < plain["input_ids"].shape[0]
+    assert packed["input_ids"].shape[1] <= 32
+    # The same tokens and the same labelled tokens, in the same order, just in fewer rows.
+    for key in ("input_ids", "labels"):
+        mask_p, mask_u = packed["attention_mask"].bool(), plain["attention_mask"].bool()
+        assert packed[key][mask_p].tolist() == plain[key][mask_u].tolist()
+    # Positions restart at every example: as many zeros as examples.
+    assert int((packed["position_ids"][packed["attention_mask"].bool()] == 0).sum()) == len(records)

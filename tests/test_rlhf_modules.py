@@ -3,6 +3,8 @@ score at the last real token, and keep the reward statistics in the checkpoint."
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -166,3 +168,33 @@ def test_reward_model_with_lora_exports_a_folder_that_scores_the_same(tmp_path):
         torch.testing.assert_close(loaded.score(batch["input_ids"], batch["attention_mask"]),
                                    rm.model.eval().score(batch["input_ids"], batch["attention_mask"]),
                                    atol=1e-5, rtol=1e-5)
+
+
+def test_dpo_precomputed_reference_matches_the_live_one_and_frees_the_model(tmp_path):
+    from zeropp_strategy.rlhf.modules import DPOModule
+
+    torch.manual_seed(0)
+    live = DPOModule(model=SMALL, batch_size=4)
+    live.configure_model()
+    torch.manual_seed(0)
+    cached = DPOModule(model=SMALL, batch_size=4, precompute_reference=True)
+    cached.configure_model()
+    assert cached.reference is None and cached.reference_logps["train"].shape == (len(cached._split("preferences")[0]), 2)
+    batch = next(iter(cached.val_dataloader()))
+    assert torch.equal(batch["index"], torch.arange(4))
+    with torch.no_grad():
+        torch.testing.assert_close(cached._step(batch, "val"), live._step(batch, "val"))
+        torch.testing.assert_close(cached._step(batch, "val"), torch.tensor(math.log(2.0)))
+    trainer = _trainer(tmp_path, 3)
+    trainer.fit(cached)
+    assert torch.isfinite(trainer.callback_metrics["train_loss"])
+
+
+def test_sft_with_packing_trains(tmp_path):
+    torch.manual_seed(0)
+    module = SFTModule(model=SMALL, batch_size=16, lr=3e-3, packing=True, max_length=48)
+    batch = next(iter(module.train_dataloader()))
+    assert batch["input_ids"].shape[0] < 16 and "position_ids" in batch
+    trainer = _trainer(tmp_path, 5)
+    trainer.fit(module)
+    assert torch.isfinite(trainer.callback_metrics["train_loss"])

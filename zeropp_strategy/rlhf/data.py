@@ -96,8 +96,10 @@ class SFTCollator:
     prompt's end and the response's start (the prompt is cut from the left).
     """
 
-    def __init__(self, tokenizer: Any, *, max_length: int = 512, train_on_prompt: bool = False) -> None:
+    def __init__(self, tokenizer: Any, *, max_length: int = 512, train_on_prompt: bool = False,
+                 pack: bool = False) -> None:
         self.tokenizer, self.max_length, self.train_on_prompt = tokenizer, max_length, train_on_prompt
+        self.pack = pack
 
     def encode(self, record: dict[str, str]) -> tuple[list[int], list[int]]:
         prompt = encode_prompt(self.tokenizer, record["prompt"])
@@ -109,11 +111,32 @@ class SFTCollator:
 
     def __call__(self, records: Sequence[dict[str, str]]) -> dict[str, Tensor]:
         encoded = [self.encode(r) for r in records]
+        if self.pack:
+            return self._packed(encoded)
         length = max(len(ids) for ids, _ in encoded)
         return {
             "input_ids": _right_pad([ids for ids, _ in encoded], _pad_id(self.tokenizer), length),
             "attention_mask": _right_pad([[1] * len(ids) for ids, _ in encoded], 0, length),
             "labels": _right_pad([labels for _, labels in encoded], IGNORE, length),
+        }
+
+    def _packed(self, encoded: list[tuple[list[int], list[int]]]) -> dict[str, Tensor]:
+        """Examples concatenated in order into rows of at most ``max_length`` tokens, with
+        ``position_ids`` restarting at each example; each example keeps its own labels."""
+        rows: list[tuple[list[int], list[int], list[int]]] = []
+        for ids, labels in encoded:
+            if not rows or len(rows[-1][0]) + len(ids) > self.max_length:
+                rows.append(([], [], []))
+            row_ids, row_labels, row_pos = rows[-1]
+            row_ids.extend(ids)
+            row_labels.extend(labels)
+            row_pos.extend(range(len(ids)))
+        length = max(len(r[0]) for r in rows)
+        return {
+            "input_ids": _right_pad([r[0] for r in rows], _pad_id(self.tokenizer), length),
+            "attention_mask": _right_pad([[1] * len(r[0]) for r in rows], 0, length),
+            "labels": _right_pad([r[1] for r in rows], IGNORE, length),
+            "position_ids": _right_pad([r[2] for r in rows], 0, length),
         }
 
 
@@ -135,11 +158,14 @@ class PairCollator:
                 rows.append(prompt + response)
                 masks.append([0] * len(prompt) + [1] * len(response))
         length = max(len(r) for r in rows)
-        return {
+        out = {
             "input_ids": _right_pad(rows, _pad_id(self.tokenizer), length),
             "attention_mask": _right_pad([[1] * len(r) for r in rows], 0, length),
             "response_mask": _right_pad(masks, 0, length),
         }
+        if all("__index__" in r for r in records):  # the record's position in its split
+            out["index"] = torch.tensor([r["__index__"] for r in records], dtype=torch.long)
+        return out
 
 
 class PromptCollator:

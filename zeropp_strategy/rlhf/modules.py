@@ -77,7 +77,8 @@ class _PairModule(_Base):
     """Modules trained on preference pairs: chosen rows then rejected rows in one batch."""
 
     def _loader(self, records: list[dict[str, str]], shuffle: bool) -> DataLoader:
-        return DataLoader(records, batch_size=self.batch_size, shuffle=shuffle,
+        indexed = [{**r, "__index__": i} for i, r in enumerate(records)]  # for per-record caches
+        return DataLoader(indexed, batch_size=self.batch_size, shuffle=shuffle,
                           collate_fn=PairCollator(self.tokenizer, max_length=self.max_length),
                           generator=torch.Generator().manual_seed(self.seed))
 
@@ -110,6 +111,10 @@ class SFTModule(_Base):
         tokenizer: a folder/hub name, or ``None``/``"byt5"`` (byte-level, no files).
         data: a ``.jsonl`` file, a ``datasets`` name, or ``"embedded:addition"``.
         train_on_prompt: also train on the prompt tokens.
+        packing: pack several examples into each row of up to ``max_length`` tokens (fewer
+            rows, no padding to speak of); positions restart at each example. Attention is
+            causal over the whole row, so an example can see the ones before it in its row
+            (as TRL's ``ConstantLengthDataset``); leave it off when that matters.
         lora: peft ``LoraConfig`` fields (e.g. ``{"r": 8, "target_modules": ["q_proj", "v_proj"]}``):
             only the adapters train; ``None`` trains every weight.
         batch_size, max_length, lr, weight_decay: as usual.
@@ -125,6 +130,7 @@ class SFTModule(_Base):
         tokenizer: str | None = None,
         data: str = "embedded:addition",
         train_on_prompt: bool = False,
+        packing: bool = False,
         lora: dict[str, Any] | None = None,
         batch_size: int = 32,
         max_length: int = 64,
@@ -139,6 +145,7 @@ class SFTModule(_Base):
                          export_dir=export_dir)
         self.save_hyperparameters()
         self.train_on_prompt = train_on_prompt
+        self.packing = packing
         self.lora = lora
         self.model: torch.nn.Module | None = None
 
@@ -147,7 +154,8 @@ class SFTModule(_Base):
             self.model = apply_lora(build_causal_lm(self.model_spec), self.lora)
 
     def _loader(self, records: list[dict[str, str]], shuffle: bool) -> DataLoader:
-        collate = SFTCollator(self.tokenizer, max_length=self.max_length, train_on_prompt=self.train_on_prompt)
+        collate = SFTCollator(self.tokenizer, max_length=self.max_length, train_on_prompt=self.train_on_prompt,
+                              pack=self.packing)
         return DataLoader(records, batch_size=self.batch_size, shuffle=shuffle, collate_fn=collate,
                           generator=torch.Generator().manual_seed(self.seed))
 
@@ -289,6 +297,9 @@ class DPOModule(_PairModule):
         model: the SFT stage's output folder (or any ``from_pretrained`` name / config dict).
         beta: the DPO temperature (0.1 is the paper's default).
         lora: as ``SFTModule`` (adapters on the policy; the reference has none).
+        precompute_reference: compute the reference's log-probs of every training and
+            validation pair once, in ``configure_model`` (before sharding, on every rank),
+            then drop the reference model: one model's memory less during training.
         (others as ``SFTModule``)
     Logs loss, preference accuracy (implicit reward of chosen > rejected) and the margin.
     """
@@ -300,6 +311,7 @@ class DPOModule(_PairModule):
         data: str = "embedded:addition",
         beta: float = 0.1,
         lora: dict[str, Any] | None = None,
+        precompute_reference: bool = False,
         batch_size: int = 16,
         max_length: int = 64,
         lr: float = 5e-4,
@@ -316,8 +328,11 @@ class DPOModule(_PairModule):
         self.save_hyperparameters()
         self.beta = beta
         self.lora = lora
+        self.precompute_reference = precompute_reference
         self.policy: torch.nn.Module | None = None
         self.reference: torch.nn.Module | None = None
+        #: with precompute_reference: split -> [records, 2] summed log-probs (chosen, rejected)
+        self.reference_logps: dict[str, torch.Tensor] = {}
 
     def configure_model(self) -> None:
         if self.policy is not None:
@@ -331,6 +346,23 @@ class DPOModule(_PairModule):
             self.reference = build_causal_lm(self.model_spec)
         self.reference.requires_grad_(False).eval()
         self.policy = apply_lora(self.policy, self.lora)
+        if self.precompute_reference:
+            self.reference_logps = {"train": self._reference_logps(self._split("preferences")[0]),
+                                    "val": self._reference_logps(self._split("preferences")[1])}
+            self.reference = None  # never sharded, never run again: its memory is freed
+
+    @torch.no_grad()
+    def _reference_logps(self, records: list[dict[str, str]]) -> torch.Tensor:
+        """The reference's summed log-probs of every record's chosen and rejected response.
+        Runs here, in configure_model, where the reference is still a whole model on every
+        rank (before the strategy shards anything): no collective, the same on every rank."""
+        assert self.reference is not None
+        out = torch.zeros(len(records), 2)
+        for batch in self._loader(records, shuffle=False):
+            logps = sequence_logprobs(self.reference, batch)
+            half = logps.shape[0] // 2
+            out[batch["index"]] = torch.stack([logps[:half], logps[half:]], dim=1).float()
+        return out
 
     def train(self, mode: bool = True) -> DPOModule:
         super().train(mode)
@@ -344,10 +376,14 @@ class DPOModule(_PairModule):
         export_causal_lm(self.policy, directory, tokenizer=self.tokenizer)
 
     def _step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
-        assert self.policy is not None and self.reference is not None
+        assert self.policy is not None and (self.reference is not None or self.reference_logps)
         policy = sequence_logprobs(self.policy, batch)
-        with torch.no_grad():
-            reference = sequence_logprobs(self.reference, batch)
+        if self.reference_logps:
+            cached = self.reference_logps["train" if stage == "train" else "val"][batch["index"].cpu()]
+            reference = cached.t().reshape(-1).to(policy.device, policy.dtype)  # chosen rows, then rejected
+        else:
+            with torch.no_grad():
+                reference = sequence_logprobs(self.reference, batch)
         half = policy.shape[0] // 2
         loss, chosen, rejected = ops.dpo_loss(policy[:half], policy[half:], reference[:half], reference[half:],
                                               beta=self.beta)
