@@ -29,15 +29,12 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import Tensor
 
+from zeropp_strategy.engine.dtensor import is_dtensor as _is_dtensor
+from zeropp_strategy.engine.dtensor import local as _local
+
 __all__ = ["ShardedEMA"]
 
 
-def _is_dtensor(t: Tensor) -> bool:
-    return hasattr(t, "device_mesh") and hasattr(t, "to_local")
-
-
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if _is_dtensor(t) else t
 
 
 class ShardedEMA(Callback):

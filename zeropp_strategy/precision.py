@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import LBFGS, Optimizer
 
 from zeropp_strategy.engine.stage1 import ShardedOptimizer
+from zeropp_strategy.engine.dtensor import local as _local
 
 PrecisionFlag = Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true"]
 SUPPORTED: tuple[str, ...] = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
@@ -43,8 +44,6 @@ SUPPORTED: tuple[str, ...] = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", 
 _HALF = {"bf16": torch.bfloat16, "16": torch.float16}
 
 
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def local_grads(optimizer: Optimizer) -> list[Tensor]:

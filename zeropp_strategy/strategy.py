@@ -81,6 +81,7 @@ from zeropp_strategy.engine.state import (
 )
 from zeropp_strategy.precision import ZeroPPPrecision, from_lightning_plugin
 from zeropp_strategy.topology import Meshes, Topology
+from zeropp_strategy.engine.dtensor import local as _local
 
 log = logging.getLogger(__name__)
 _TENSORS = "__zeropp_tensors__"  # optimizer_state() -> save_checkpoint hand-off key
@@ -400,7 +401,7 @@ class ZeroPPStrategy(ProcessMixin, ParallelStrategy):
         params = [(n, p) for n, p in self.lightning_module.named_parameters() if p.grad is not None]
         first = None
         for name, p in params:
-            g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            g = _local(p.grad)
             if not torch.isfinite(g).all():
                 first = name
                 break

@@ -44,6 +44,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from zeropp_strategy import kernels
+from zeropp_strategy.engine.dtensor import local as _local
 
 aten = torch.ops.aten
 
@@ -367,7 +368,7 @@ def int8_weights(params: Iterable[torch.Tensor]) -> list[Int8Weight]:
     """The ``Int8Weight`` local tensors among ``params`` (DTensor shards unwrapped)."""
     out = []
     for p in params:
-        local = p.to_local() if hasattr(p, "to_local") else p
+        local = _local(p)
         local = local.data if isinstance(local, nn.Parameter) else local
         if isinstance(local, Int8Weight):
             out.append(local)

@@ -31,17 +31,15 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from zeropp_strategy.engine.frozen import Int8Weight
+from zeropp_strategy.engine.dtensor import local as _local
 
 if TYPE_CHECKING:  # a runtime import would be circular (offload imports engine)
     from zeropp_strategy.offload import OffloadOptimizer
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class _StorageCounter:

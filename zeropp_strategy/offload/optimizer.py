@@ -60,6 +60,7 @@ from torch.optim import Optimizer
 from zeropp_strategy.config import OffloadConfig
 from zeropp_strategy.engine.stage1 import WrappingOptimizer
 from zeropp_strategy.offload.swap import ALIGN, SwapDir, SwapFile, aligned_buffer, wait
+from zeropp_strategy.engine.dtensor import local as _local
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +71,6 @@ _FUSED_CPU = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.
 _REFUSED = (torch.optim.LBFGS,)
 
 
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _like_param(flat: Tensor, param: Tensor) -> Tensor:

@@ -52,6 +52,7 @@ from zeropp_strategy.rlhf.models import (
     positions,
     tiny_llama_config,
 )
+from zeropp_strategy.engine.dtensor import local as _local
 
 __all__ = ["PPOModule"]
 
@@ -61,8 +62,6 @@ def _check(ok: bool, field: str, value: Any, fix: str) -> None:
         raise ValueError(f"PPOModule({field}={value!r}) is invalid. Fix: {fix}.")
 
 
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 class PPOModule(LightningModule):
