@@ -98,3 +98,26 @@ def test_nonfinite_skip_drops_the_step_on_every_rank_at_stages_1_and_3():
             assert r["finite"] and r["skipped"] == 1, (stage, r)
             # 5 optimizer steps taken by the loop, 4 of them updated the weights (Adam's counter).
             assert r["global_step"] == 5 and r["steps"] == [4.0], (stage, r)
+
+
+def _export_into_a_file(rank: int, world: int, tmp: str) -> str:
+    import os
+
+    from zeropp_strategy.rlhf.export import export_causal_lm
+    from zeropp_strategy.rlhf.models import build_causal_lm, tiny_llama_config
+
+    blocker = os.path.join(tmp, "not-a-dir")
+    if rank == 0:
+        open(blocker, "w").close()  # the export's parent is a file: rank 0's write fails
+    model = build_causal_lm(tiny_llama_config(hidden_size=32, intermediate_size=64, num_hidden_layers=1))
+    try:
+        export_causal_lm(model, os.path.join(blocker, "actor"))
+    except Exception as e:  # noqa: BLE001 - the test compares what each rank saw
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def test_an_export_failing_on_rank_0_stops_every_rank(tmp_path):
+    results = run_ranks(_export_into_a_file, 2, (str(tmp_path),), timeout_s=120, init_process_group=True)
+    assert results[0].startswith(("FileExistsError", "NotADirectoryError", "OSError")), results
+    assert results[1].startswith("RuntimeError: zeropp: exporting ") and "failed on rank 0" in results[1], results

@@ -428,29 +428,38 @@ class ZeroEngine:
     # -- failure agreement ------------------------------------------------------------------
 
     def agree(self, what: str, fn: Callable[[], Any]) -> Any:
-        """Run a rank-local step that may fail (a full disk) so that all ranks fail together.
+        """``agree(what, fn)`` with this rank's device (see there)."""
+        return agree(what, fn, device=self.device)
 
-        Every rank runs ``fn``, then one all-reduce says whether any failed: the failing
-        rank raises its own error, the others an error naming it, instead of waiting in
-        the next collective until the timeout.
-        """
-        error: BaseException | None = None
-        result = None
-        try:
-            result = fn()
-        except Exception as e:  # noqa: BLE001 - re-raised below, after the others know
-            error = e
-        flag = torch.tensor([self.rank if error is not None else -1], dtype=torch.int64)
-        if self.device.type != "cpu" and dist.get_backend() == "nccl":
-            flag = flag.to(self.device)
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if error is not None:
-            raise error
-        failed = int(flag.item())
-        if failed >= 0:
-            raise RuntimeError(f"zeropp: {what} failed on rank {failed} (its error is in its log); stopping this rank too.")
-        return result
+
+def agree(what: str, fn: Callable[[], Any], *, device: torch.device | None = None) -> Any:
+    """Run a rank-local step that may fail (a full disk) so that all ranks fail together.
+
+    Every rank runs ``fn``, then one all-reduce says whether any failed: the failing
+    rank raises its own error, the others an error naming it, instead of waiting in
+    the next collective until the timeout. ``device``: where the flag goes under NCCL
+    (default: the current CUDA device).
+    """
+    error: BaseException | None = None
+    result = None
+    try:
+        result = fn()
+    except Exception as e:  # noqa: BLE001 - re-raised below, after the others know
+        error = e
+    distributed = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank() if distributed else 0
+    flag = torch.tensor([rank if error is not None else -1], dtype=torch.int64)
+    if distributed:
+        if dist.get_backend() == "nccl":
+            cuda = device if device is not None and device.type != "cpu" else torch.device("cuda", torch.cuda.current_device())
+            flag = flag.to(cuda)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if error is not None:
+        raise error
+    failed = int(flag.item())
+    if failed >= 0:
+        raise RuntimeError(f"zeropp: {what} failed on rank {failed} (its error is in its log); stopping this rank too.")
+    return result
 
 
 def _comparable(config: ZeroConfig) -> dict[str, Any]:

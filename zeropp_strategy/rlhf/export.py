@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zeropp_strategy.checkpoint.atomic import new_nonce, publish, remove_stale, tmp_sibling
+from zeropp_strategy.engine.core import agree
 from zeropp_strategy.engine.state import full_model_state
 
 __all__ = ["HEAD_FILE", "STATS_FILE", "export_causal_lm", "export_scalar_model"]
@@ -33,18 +34,6 @@ STATS_FILE = "reward_stats.json"
 
 def _is_writer() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def _finish(error: BaseException | None) -> None:
-    """Rank 0 tells every rank whether the write worked, so that a failure there stops all
-    ranks with an error instead of leaving them waiting in the next collective."""
-    failed = [error is not None]
-    if dist.is_initialized():
-        dist.broadcast_object_list(failed, src=0)
-    if error is not None:
-        raise error
-    if failed[0]:
-        raise RuntimeError("zeropp: the export failed on rank 0 (its error is in its log); stopping this rank too.")
 
 
 def _skeleton(model: nn.Module) -> nn.Module:
@@ -92,13 +81,8 @@ def export_causal_lm(model: nn.Module, directory: str | Path, *, tokenizer: Any 
     """Collective. ``model`` (sharded or not, LoRA or not) as a ``from_pretrained`` folder."""
     writer = _is_writer()
     state = full_model_state(model, keep=writer)
-    error = None
-    if writer:
-        try:
-            _write_causal_lm(model, state, directory, tokenizer)
-        except Exception as e:  # noqa: BLE001 - re-raised by _finish after telling the others
-            error = e
-    _finish(error)
+    # Rank 0 writes; a failure there (disk full) stops every rank, not just rank 0.
+    agree(f"exporting {directory}", lambda: _write_causal_lm(model, state, directory, tokenizer) if writer else None)
 
 
 def _write_causal_lm(model: nn.Module, state: dict[str, Any], directory: str | Path, tokenizer: Any) -> None:
@@ -123,13 +107,8 @@ def export_scalar_model(
     """Collective. A ``ScalarHeadModel``: backbone folder + value head + reward statistics."""
     writer = _is_writer()
     state = full_model_state(model, keep=writer)
-    error = None
-    if writer:
-        try:
-            _write_scalar_model(model, state, directory, tokenizer, stats)
-        except Exception as e:  # noqa: BLE001 - re-raised by _finish after telling the others
-            error = e
-    _finish(error)
+    agree(f"exporting {directory}",
+          lambda: _write_scalar_model(model, state, directory, tokenizer, stats) if writer else None)
 
 
 def _write_scalar_model(model: nn.Module, state: dict[str, Any], directory: str | Path, tokenizer: Any,
