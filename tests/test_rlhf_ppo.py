@@ -229,3 +229,15 @@ def test_zeropp_fit_runs_the_ppo_recipe(tmp_path, monkeypatch):
                  "--model.mini_batch_size", "2", "--model.kl_estimator", "k3"])
     assert code == 0
     assert (tmp_path / "runs" / "ppo" / "actor" / "config.json").is_file()
+
+
+def test_decode_responses_stops_at_the_first_eos():
+    from zeropp_strategy.rlhf.generation import decode_responses
+    from zeropp_strategy.rlhf.models import build_tokenizer
+
+    tok = build_tokenizer(None)
+    one, two, x = (tok(s, add_special_tokens=False).input_ids for s in ("12", "7", "x"))
+    eos = tok.eos_token_id
+    # pad id 0 after the EOS, and a second EOS followed by text that must not be read
+    response = torch.tensor([one + [eos, 0, 0], two + [eos] + x + [eos, 0]])
+    assert decode_responses(tok, response, eos) == ["12", "7"]

@@ -28,7 +28,7 @@ from zeropp_strategy.engine.fsdp import fsdp_modules
 from zeropp_strategy.rlhf.models import positions
 from zeropp_strategy.rlhf.ops import sampling_logits
 
-__all__ = ["gathered", "sample"]
+__all__ = ["decode_responses", "gathered", "sample"]
 
 
 @contextmanager
@@ -100,3 +100,14 @@ def sample(
         cache, logits = out.past_key_values, out.logits[:, -1]
         next_pos = next_pos + 1
     return torch.stack(tokens, dim=1)
+
+
+def decode_responses(tokenizer: Any, response: Tensor, eos_id: int) -> list[str]:
+    """The texts of sampled responses (``sample``'s output): each row up to its first EOS,
+    without the EOS and the padding after it."""
+    from zeropp_strategy.rlhf.ops import response_mask
+
+    out = []
+    for row, keep in zip(response.tolist(), response_mask(response, eos_id).tolist()):
+        out.append(tokenizer.decode([t for t, k in zip(row, keep) if k and t != eos_id], skip_special_tokens=True))
+    return out

@@ -103,8 +103,7 @@ def task_accuracy(folder: str | Path, tokenizer: Any, records: list[dict[str, st
     from transformers import AutoModelForCausalLM
 
     from zeropp_strategy.rlhf.data import PromptCollator
-    from zeropp_strategy.rlhf.generation import sample
-    from zeropp_strategy.rlhf.ops import response_mask
+    from zeropp_strategy.rlhf.generation import decode_responses, sample
     from zeropp_strategy.rlhf.task import AdditionTask
 
     model = AutoModelForCausalLM.from_pretrained(str(folder)).eval()
@@ -118,9 +117,7 @@ def task_accuracy(folder: str | Path, tokenizer: Any, records: list[dict[str, st
         # top_k=1 is greedy decoding
         out = sample(model, batch["input_ids"], batch["attention_mask"], max_new_tokens=max_new_tokens, eos_id=eos,
                      pad_id=pad, top_k=1 if greedy else 0, generator=generator)
-        mask = response_mask(out, eos)
-        for prompt, row, m in zip(batch["prompts"], out.tolist(), mask.tolist()):
-            text = tokenizer.decode([t for t, k in zip(row, m) if k and t != eos], skip_special_tokens=True)
+        for prompt, text in zip(batch["prompts"], decode_responses(tokenizer, out, eos)):
             right += AdditionTask.score(prompt, text) == 1.0
             example = example or f"{prompt}{text}"
     return right / max(len(records), 1), example

@@ -43,7 +43,7 @@ from torch.utils.data import DataLoader
 from zeropp_strategy.engine.fsdp import fsdp_modules
 from zeropp_strategy.rlhf import ops
 from zeropp_strategy.rlhf.data import PromptCollator, SFTCollator, load_records
-from zeropp_strategy.rlhf.generation import gathered, sample
+from zeropp_strategy.rlhf.generation import decode_responses, gathered, sample
 from zeropp_strategy.rlhf.models import (
     ScalarHeadModel,
     apply_lora,
@@ -431,16 +431,8 @@ class PPOModule(LightningModule):
         return None
 
     def _accuracy(self, checker: Any, prompts: list[str], exp: dict[str, Tensor]) -> Tensor:
-        texts = self.decode_responses(exp["response"], exp["mask"])
+        texts = decode_responses(self.tokenizer, exp["response"], self.eos_id)
         return torch.tensor([checker(p, t) for p, t in zip(prompts, texts)], device=self.device).mean()
-
-    def decode_responses(self, response: Tensor, mask: Tensor) -> list[str]:
-        """Response texts without the EOS and padding."""
-        out = []
-        for row, m in zip(response.tolist(), mask.tolist()):
-            ids = [t for t, keep in zip(row, m) if keep and t != self.eos_id]
-            out.append(self.tokenizer.decode(ids, skip_special_tokens=True))
-        return out
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         # The same draws before and after training: the generator depends on the batch only.
