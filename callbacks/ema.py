@@ -155,7 +155,7 @@ class ShardedEMA(Callback):
         sharded = any(_is_dtensor(p) for p in self._params.values())
         strategy = self._trainer.strategy if self._trainer is not None else None
         if sharded and getattr(strategy, "state_dict_type", "full") == "sharded":
-            from zeropp_strategy.strategy import CALLBACK_TENSORS
+            from zeropp_strategy.checkpoint.sharded import CALLBACK_TENSORS
 
             state[CALLBACK_TENSORS] = {n: self._as_dtensor(n) for n in self.ema}
         elif sharded:
@@ -177,7 +177,7 @@ class ShardedEMA(Callback):
         if not self._params:  # restored before fit started: apply once the parameters exist
             self._pending = dict(state)
             return
-        from zeropp_strategy.strategy import CALLBACK_TENSORS_ID
+        from zeropp_strategy.checkpoint.sharded import CALLBACK_TENSORS_ID
 
         if CALLBACK_TENSORS_ID in state:
             targets = {n: self._as_dtensor(n) for n in self.ema}
@@ -197,11 +197,7 @@ class ShardedEMA(Callback):
             self.ema[name].copy_(full)
 
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
-        self._trainer = trainer
-        if not self._params:
-            self._params = {n: p for n, p in pl_module.named_parameters() if p.requires_grad and p.is_floating_point()}
-            with torch.no_grad():
-                self.ema = {n: _local(p).detach().float().clone() for n, p in self._params.items()}
+        self._bind(trainer, pl_module)  # load_state_dict, called next, fills the averages in place
 
     def full_average(self) -> dict[str, Tensor]:
         """Collective: the whole averaged weights (CPU) on every rank, for inspection/tests."""

@@ -64,6 +64,8 @@ from zeropp_strategy.checkpoint.atomic import (
     staged_directory,
 )
 from zeropp_strategy.checkpoint.sharded import (
+    CALLBACK_TENSORS,
+    CALLBACK_TENSORS_ID,
     FORMAT,
     VERSION,
     hf_models,
@@ -85,11 +87,6 @@ from zeropp_strategy.engine.dtensor import local as _local
 
 log = logging.getLogger(__name__)
 _TENSORS = "__zeropp_tensors__"  # optimizer_state() -> save_checkpoint hand-off key
-# A callback's state_dict() may hold DTensor shards under this key (ShardedEMA): in the
-# sharded format they go to the DCP files with the model, under "callbacks.<id>", and the
-# callback's entry in the meta file keeps only the id (CALLBACK_TENSORS_ID).
-CALLBACK_TENSORS = "__zeropp_shards__"
-CALLBACK_TENSORS_ID = "__zeropp_shards_id__"
 
 #: Registry names -> ZeroConfig fields they set. ``zeropp`` is stage 3 plus ZeRO++.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -406,7 +403,7 @@ class ZeroPPStrategy(ProcessMixin, ParallelStrategy):
                 first = name
                 break
         loss_value = float(loss.detach()) if isinstance(loss, Tensor) and loss.numel() == 1 else None
-        bad_loss = loss_value is not None and not torch.isfinite(torch.tensor(loss_value))
+        bad_loss = loss_value is not None and not math.isfinite(loss_value)
         flag = torch.tensor([1.0 if (first is not None or bad_loss) else 0.0], device=self.root_device)
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)

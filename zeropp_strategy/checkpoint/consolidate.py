@@ -48,6 +48,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from zeropp_strategy.checkpoint.atomic import META_FILE, OLD_TAG, TMP_TAG
+from zeropp_strategy.checkpoint.sharded import CALLBACK_TENSORS_ID
 from zeropp_strategy.checkpoint.sharded import FORMAT as SHARDED_FORMAT
 from zeropp_strategy.checkpoint.sharded import TENSOR as TENSOR_MARK
 from zeropp_strategy.checkpoint.sharded import VERSION as FORMAT_VERSION
@@ -173,7 +174,7 @@ class _ShardedCheckpoint:
     def use_ema(self) -> int:
         """Read ShardedEMA's averages in place of the trained weights; returns how many."""
         state = _ema_state(self.meta.get("callbacks"), self.path)
-        ident = state.get(_CALLBACK_TENSORS_ID)
+        ident = state.get(CALLBACK_TENSORS_ID)
         if ident is None:
             raise ValueError(f"{self.path}: the ShardedEMA state holds no sharded tensors. Fix: consolidate the "
                              "checkpoint the run wrote, unchanged.")
@@ -211,9 +212,6 @@ class _FullCheckpoint:
             return self.ema[fqn].to(self._state[fqn].dtype).clone(memory_format=torch.contiguous_format)
         # A copy: tied weights share storage in a torch.save'd file, and safetensors refuses that.
         return self._state[fqn].clone(memory_format=torch.contiguous_format)
-
-
-_CALLBACK_TENSORS_ID = "__zeropp_shards_id__"  # zeropp_strategy.strategy.CALLBACK_TENSORS_ID
 
 
 def _ema_state(callbacks: Any, path: Path) -> Mapping[str, Any]:

@@ -33,6 +33,11 @@ from zeropp_strategy.engine.stage1 import ShardedOptimizer
 FORMAT = "zeropp-sharded"
 VERSION = 1
 TENSOR = "__tensor__"
+# A callback's state_dict() may hold DTensor shards under CALLBACK_TENSORS (ShardedEMA): in
+# the sharded format they are saved with the model under "callbacks.<id>.<name>", and the
+# callback's entry in the meta file keeps only the id, under CALLBACK_TENSORS_ID.
+CALLBACK_TENSORS = "__zeropp_shards__"
+CALLBACK_TENSORS_ID = "__zeropp_shards_id__"
 _WRAPPER_SEGMENTS = ("_orig_mod.", "_checkpoint_wrapped_module.")
 
 
