@@ -3,7 +3,8 @@ strategies: world sizes, the process group, the object collectives.
 
 Both front-ends' ``ParallelStrategy`` base classes ask for the same members; this mixin,
 listed first among the bases, supplies them once. A host class sets ``config``,
-``_num_nodes``, ``_process_group_backend`` and ``_timeout`` in its ``__init__``.
+``_num_nodes``, ``_process_group_backend`` and ``_timeout`` in its ``__init__``, and names
+its front-end's script launcher (``_launcher_cls``) and registry label (``_registry_label``).
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _distributed_is_initialized, _init_dist_connection
 from lightning.fabric.utilities.distributed import group as _group
-from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
-from zeropp_strategy.engine.core import check_offload_paths, default_backend
+from zeropp_strategy.engine.core import ZeroEngine, check_offload_paths, default_backend
 
 T = TypeVar("T")
 
@@ -57,6 +58,35 @@ class ProcessMixin:
     _num_nodes: int
     _process_group_backend: str | None
     _timeout: Any
+    _launcher_cls: Any  # the front-end's _SubprocessScriptLauncher
+    _registry_label: str  # how the registered names describe themselves
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None  # type: ignore[attr-defined]
+        if not self.cluster_environment.creates_processes_externally:  # type: ignore[attr-defined]
+            self._launcher = self._launcher_cls(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def _start_engine(self, precision: Any) -> ZeroEngine:
+        """The engine of this process, once the process group exists (every rank)."""
+        return ZeroEngine.start(
+            self.config,
+            rank=self.global_rank,  # type: ignore[attr-defined]
+            world_size=self.world_size,  # type: ignore[attr-defined]
+            ranks_per_node=self.num_processes,
+            device=self.root_device,
+            precision=precision,
+            info=rank_zero_info,
+        )
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        from zeropp_strategy.strategy import PRESETS
+
+        for name, fields in PRESETS.items():
+            if name in strategy_registry:
+                continue
+            strategy_registry.register(name, cls, description=f"ZeRO via zeropp-strategy{cls._registry_label} ({fields})",
+                                       **fields)
 
     @property
     def root_device(self) -> torch.device:

@@ -47,7 +47,7 @@ from zeropp_strategy.engine.core import ZeroEngine, close_offload
 from zeropp_strategy.engine.core import unwrap as _unwrap
 from zeropp_strategy.engine.fsdp import fsdp_modules, has_meta
 from zeropp_strategy.precision import ZeroPPPrecision, clip_grad_norm, clip_grad_value
-from zeropp_strategy.strategy import PRESETS
+
 
 def _flag_of(precision: Precision) -> str:
     flag = str(getattr(precision, "precision", "32-true"))
@@ -66,6 +66,9 @@ class ZeroPPFabricStrategy(ProcessMixin, ParallelStrategy):
         process_group_backend, timeout: as for Fabric's DDP strategy.
         **config_fields: any ``ZeroConfig`` field, overriding ``config``.
     """
+
+    _launcher_cls = _SubprocessScriptLauncher
+    _registry_label = ", Fabric"
 
     def __init__(
         self,
@@ -117,24 +120,11 @@ class ZeroPPFabricStrategy(ProcessMixin, ParallelStrategy):
 
     # -- processes ----------------------------------------------------------------------
 
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-
     def setup_environment(self) -> None:
         super().setup_environment()
         self._connect()
         engine_precision = ZeroPPPrecision(_flag_of(self.precision), device=self.root_device.type)
-        self._engine = ZeroEngine.start(
-            self.config,
-            rank=self.global_rank,
-            world_size=self.world_size,
-            ranks_per_node=self.num_processes,
-            device=self.root_device,
-            precision=engine_precision,
-            info=rank_zero_info,
-        )
+        self._engine = self._start_engine(engine_precision)
         self._use_sharded_scaler()
         rank_zero_info(f"zeropp (Fabric): stage {self.stage}, {self.engine.topology.describe()}")
 
@@ -285,12 +275,6 @@ class ZeroPPFabricStrategy(ProcessMixin, ParallelStrategy):
         self._optimizers, self._modules = [], []
         super().teardown()
 
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        for name, fields in PRESETS.items():
-            if name in strategy_registry:
-                continue
-            strategy_registry.register(name, cls, description=f"ZeRO via zeropp-strategy, Fabric ({fields})", **fields)
 
 
 class _ZeroNoSync(_BackwardSyncControl):

@@ -130,6 +130,8 @@ class ZeroPPStrategy(ProcessMixin, ParallelStrategy):
     """
 
     strategy_name = "zeropp"
+    _launcher_cls = _SubprocessScriptLauncher
+    _registry_label = ""
 
     def __init__(
         self,
@@ -247,11 +249,6 @@ class ZeroPPStrategy(ProcessMixin, ParallelStrategy):
 
     # -- process group --------------------------------------------------------------------
 
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-
     def setup_environment(self) -> None:
         super().setup_environment()
         self._connect()
@@ -260,15 +257,7 @@ class ZeroPPStrategy(ProcessMixin, ParallelStrategy):
             # sharded and its comm objects book into this engine's ledger, so keep both
             # (a new ledger would stay at zero; the ledger counts the Trainer's whole life).
             return
-        self._engine = ZeroEngine.start(
-            self.config,
-            rank=self.global_rank,
-            world_size=self.world_size,
-            ranks_per_node=self.num_processes,
-            device=self.root_device,
-            precision=self.precision_plugin,
-            info=rank_zero_info,
-        )
+        self._engine = self._start_engine(self.precision_plugin)
         self._topology, self._meshes, self._ledger = self._engine.topology, self._engine.meshes, self._engine.ledger
         rank_zero_info(f"zeropp: stage {self.stage}, {self._topology.describe()}")
 
@@ -619,9 +608,3 @@ class ZeroPPStrategy(ProcessMixin, ParallelStrategy):
         self.cluster_environment.teardown()
         super().teardown()
 
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        for name, fields in PRESETS.items():
-            if name in strategy_registry:
-                continue
-            strategy_registry.register(name, cls, description=f"ZeRO via zeropp-strategy ({fields})", **fields)
