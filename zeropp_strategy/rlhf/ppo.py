@@ -180,6 +180,7 @@ class PPOModule(LightningModule):
         self.reference: nn.Module | None = None
         self.reward_model: ScalarHeadModel | None = None
         self.ema_actor: nn.Module | None = None
+        self._ptx: Any = None  # endless iterator over ptx_data batches, made on first use
 
     # -- networks ---------------------------------------------------------------------------
 
@@ -404,7 +405,7 @@ class PPOModule(LightningModule):
         self.log("train_reward_mean", logs["reward"], sync_dist=True, prog_bar=True)
 
     def _ptx_iter(self) -> Any:
-        if getattr(self, "_ptx", None) is None:
+        if self._ptx is None:
             self._ptx = self._ptx_batches()
         return self._ptx
 
