@@ -127,6 +127,9 @@ BAD = [  # (kwargs, exception, substring that names the field)
     (dict(state_dict_type=1), TypeError, "ZeroConfig.state_dict_type=1"),
     (dict(simulated_nodes=-1), ValueError, "ZeroConfig.simulated_nodes=-1"),
     (dict(simulated_nodes=True), TypeError, "ZeroConfig.simulated_nodes=True"),
+    (dict(peer_timeout=-1), ValueError, "ZeroConfig.peer_timeout=-1"),
+    (dict(peer_timeout=float("inf")), ValueError, "ZeroConfig.peer_timeout=inf"),
+    (dict(peer_timeout="60"), TypeError, "ZeroConfig.peer_timeout='60'"),
 ]
 
 
@@ -501,6 +504,7 @@ _FIELD_VALUES = {
     "state_dict_type": _mostly(st.sampled_from([None, "sharded", "full", "FULL"])),
     "gather_16bit": _mostly(st.sampled_from([None, True, False])),
     "simulated_nodes": _mostly(st.integers(-1, 8)),
+    "peer_timeout": _mostly(st.one_of(st.floats(-1, 100), st.integers(-1, 100))),
 }
 assert set(_FIELD_VALUES) == {f.name for f in dataclasses.fields(ZeroConfig)}
 

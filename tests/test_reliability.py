@@ -121,3 +121,200 @@ def test_an_export_failing_on_rank_0_stops_every_rank(tmp_path):
     results = run_ranks(_export_into_a_file, 2, (str(tmp_path),), timeout_s=120, init_process_group=True)
     assert results[0].startswith(("FileExistsError", "NotADirectoryError", "OSError")), results
     assert results[1].startswith("RuntimeError: zeropp: exporting ") and "failed on rank 0" in results[1], results
+
+
+# -- a rank that dies: the others stop and name it ([Note: peer watchdog]) ------------------------
+
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from tests._dist import free_port  # noqa: E402
+
+_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _job(tmp_path: Path, world: int, *args: str, limit_s: float = 90.0):
+    """Start ``world`` ranks of tests/_fault_worker.py as a launcher would; wait at most
+    ``limit_s`` for the others once any has exited; kill everything left, always.
+    Returns [(exit status or None if it had to be killed, output)] per rank and the seconds
+    from the first exit to the last."""
+    port = free_port()
+    procs, logs = [], []
+    for rank in range(world):
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+               "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world), "NODE_RANK": "0",
+               "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1"}
+        log = open(tmp_path / f"rank{rank}.log", "w+")
+        logs.append(log)
+        procs.append(subprocess.Popen([sys.executable, "-m", "tests._fault_worker", *args], cwd=_ROOT, env=env,
+                                      stdout=log, stderr=subprocess.STDOUT))
+    try:
+        start = time.monotonic()
+        first_exit = None
+        while time.monotonic() - start < 240:
+            done = [p.poll() is not None for p in procs]
+            if any(done) and first_exit is None:
+                first_exit = time.monotonic()
+            if all(done) or (first_exit is not None and time.monotonic() - first_exit > limit_s):
+                break
+            time.sleep(0.2)
+        spread = time.monotonic() - (first_exit or start)
+        statuses = [p.poll() for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    outputs = []
+    for log in logs:
+        log.seek(0)
+        outputs.append(log.read())
+        log.close()
+    return list(zip(statuses, outputs)), spread
+
+
+def test_a_killed_rank_stops_the_others_with_its_name(tmp_path):
+    """SIGKILL of rank 1 of 3 mid-step (stage 3): ranks 0 and 2 exit non-zero within
+    seconds, each naming rank 1 (gloo alone would say 'Connection reset by peer')."""
+    results, spread = _job(tmp_path, 3, "--fault", "kill", "--victim", "1", "--peer-timeout", "20", limit_s=60)
+    assert results[1][0] == -9, results[1][1][-3000:]
+    for rank in (0, 2):
+        status, out = results[rank]
+        assert status not in (0, None), f"rank {rank} did not stop: {out[-3000:]}"
+        assert "because rank 1 " in out and "is gone" in out, out[-3000:]
+    assert spread < 60
+
+
+def test_a_frozen_rank_is_named_after_peer_timeout(tmp_path):
+    """SIGSTOP of rank 1 (alive but silent: gloo would wait for the process-group timeout,
+    30 minutes): rank 0 stops after peer_timeout=4 s plus the grace, naming rank 1."""
+    results, spread = _job(tmp_path, 2, "--fault", "stop", "--victim", "1", "--peer-timeout", "4", limit_s=45)
+    status, out = results[0]
+    assert status == 1, out[-3000:]
+    assert "rank 1 " in out and "no heartbeat" in out, out[-3000:]
+    assert results[1][0] is None  # frozen until the harness killed it
+
+
+def test_the_store_host_dying_is_named(tmp_path):
+    """SIGKILL of rank 0, which hosts the rendezvous store outside torchrun."""
+    results, _ = _job(tmp_path, 2, "--fault", "kill", "--victim", "0", "--peer-timeout", "20", limit_s=60)
+    status, out = results[1]
+    assert status not in (0, None), out[-3000:]
+    assert "rank 0" in out and "collective failed because" in out, out[-3000:]
+
+
+def test_a_rank_that_raised_is_named_by_the_others(tmp_path):
+    results, _ = _job(tmp_path, 2, "--fault", "error", "--victim", "1", "--peer-timeout", "20", limit_s=60)
+    assert results[1][0] not in (0, None) and "injected fault on this rank" in results[1][1]
+    status, out = results[0]
+    assert status not in (0, None), out[-3000:]
+    assert "because rank 1 stopped with an error (ValueError: injected fault on this rank)" in out, out[-3000:]
+
+
+def test_no_false_alarm_when_ranks_end_at_different_times(tmp_path):
+    """A normal run where the last rank keeps working 4 s after the others (and the store's
+    host) have exited, with peer_timeout=1 s: every rank exits 0."""
+    results, _ = _job(tmp_path, 2, "--peer-timeout", "1", "--linger", "4", limit_s=60)
+    for rank, (status, out) in enumerate(results):
+        assert status == 0 and f"rank {rank} finished after" in out, out[-3000:]
+
+
+# -- crash and restart: resume="auto" under torchrun --max-restarts ----------------------------
+
+
+def test_killed_job_restarts_and_ends_equal_to_an_uninterrupted_run(tmp_path):
+    """3 epochs, a checkpoint at each epoch end, stage 3, fp32. torchrun --max-restarts 1:
+    rank 1 is SIGKILLed mid-epoch 2 of the first attempt; the restarted job resumes from the
+    epoch-1 checkpoint (resume="auto") and its final parameters equal, exactly, those of
+    the same job run without the fault. An interrupted save (a newer '.tmp-' sibling) and a
+    half-copied directory without its meta file sit in the directory and are never chosen."""
+    import json
+
+    reference, _ = _job(tmp_path, 2, "--max-epochs", "3", "--ckpt-dir", str(tmp_path / "ref"),
+                        "--out", str(tmp_path / "ref.json"), limit_s=60)
+    assert all(status == 0 for status, _ in reference), reference[0][1][-3000:]
+
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "epoch=9-step=999.ckpt.tmp-0badc0de").mkdir(parents=True)
+    (ckpt / "epoch=8-step=998.ckpt").mkdir()
+    (ckpt / "epoch=8-step=998.ckpt" / "__0_0.distcp").write_bytes(b"half a copy")
+    future = time.time() + 3600
+    for p in ckpt.iterdir():
+        os.utime(p, (future, future))
+    port = free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
+           "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "tests._fault_worker",
+           "--fault", "kill", "--victim", "1", "--at-step", "30", "--max-epochs", "3",
+           "--ckpt-dir", str(ckpt), "--out", str(tmp_path / "resumed.json")]
+    proc = subprocess.run(cmd, cwd=_ROOT, env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"}, capture_output=True,
+                          text=True, timeout=240)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "injecting kill on rank 1 at step 30" in out
+    assert "resuming from " + str(ckpt / "epoch=0-step=20.ckpt") in out, out[-4000:]
+    # the restarted attempt trained epochs 2 and 3 only: it really started from the checkpoint
+    assert "rank 0 finished after 40 steps in this process" in out, out[-4000:]
+
+    ref, resumed = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("ref", "resumed"))
+    assert ref["global_step"] == resumed["global_step"] == 60
+    assert ref["params"].keys() == resumed["params"].keys()
+    for name, value in ref["params"].items():
+        assert resumed["params"][name] == value, name
+
+
+def test_resume_picks_the_newest_complete_checkpoint(tmp_path):
+    import pytest
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from zeropp_strategy import ZeroPPStrategy
+
+    with pytest.raises(TypeError, match="ZeroPPStrategy\\(resume=3\\)"):
+        ZeroPPStrategy(resume=3)
+    trainer = Trainer(strategy=ZeroPPStrategy(resume="auto"), accelerator="cpu", devices=1, logger=False)
+    with pytest.raises(ValueError, match="resume='auto'.*ModelCheckpoint\\(dirpath="):
+        trainer.strategy.resume_path(trainer)
+
+    ckpt = tmp_path / "ckpt"
+    trainer = Trainer(strategy=ZeroPPStrategy(resume="auto"), accelerator="cpu", devices=1, logger=False,
+                      callbacks=[ModelCheckpoint(dirpath=ckpt)])
+    assert trainer.strategy.resume_path(trainer) is None  # no directory yet: start from scratch
+    ckpt.mkdir()
+    (ckpt / "old.ckpt").write_bytes(b"x")
+    (ckpt / "sharded.ckpt").mkdir()
+    (ckpt / "sharded.ckpt" / "zeropp_meta.pt").write_bytes(b"x")
+    (ckpt / "newer.ckpt.tmp-12345678").mkdir()  # an interrupted save
+    (ckpt / "copied.ckpt").mkdir()  # a directory without its meta file
+    for age, name in enumerate(["copied.ckpt", "newer.ckpt.tmp-12345678", "sharded.ckpt", "old.ckpt"]):
+        os.utime(ckpt / name, (time.time() - age * 60, time.time() - age * 60))
+    assert trainer.strategy.resume_path(trainer) == str(ckpt / "sharded.ckpt")
+    other = ZeroPPStrategy(resume=tmp_path / "elsewhere")
+    assert other.resume_path(trainer) is None
+
+
+def _resume_disagreement(rank: int, world: int, root: str) -> str:
+    from lightning.pytorch import Trainer
+
+    from tests._models import ParityModule, trainer_kwargs
+    from zeropp_strategy import ZeroPPStrategy
+
+    # Rank 0 sees a checkpoint that rank 1 does not (a node-local directory).
+    mine = Path(root) / f"rank{rank}"
+    mine.mkdir()
+    if rank == 0:
+        (mine / "last.ckpt").write_bytes(b"x")
+    trainer = Trainer(strategy=ZeroPPStrategy(resume=mine), **trainer_kwargs(world, max_steps=1))
+    try:
+        trainer.fit(ParityModule())
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_ranks_that_would_resume_from_different_checkpoints_all_raise(tmp_path):
+    errors = run_ranks(_resume_disagreement, 2, (str(tmp_path),), timeout_s=90)
+    assert errors[0] == errors[1] and "chose different checkpoints on different ranks" in errors[0], errors
+    assert "rank 1: None" in errors[0]

@@ -20,6 +20,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import math
 import numbers
 import os
 import re
@@ -64,6 +65,14 @@ def _at_least(where: str, value: object, low: int, fix: str) -> int:
     if n < low:
         _invalid(where, value, f"must be >= {low}", fix)
     return n
+
+
+def _seconds(where: str, value: object, fix: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        _invalid(where, value, f"must be a number of seconds, not {type(value).__name__}", fix, TypeError)
+    if not math.isfinite(float(value)) or float(value) < 0:  # type: ignore[arg-type]
+        _invalid(where, value, "must be finite and >= 0", fix)
+    return float(value)  # type: ignore[arg-type]
 
 
 def _block_elems(where: str, value: object) -> int:
@@ -230,6 +239,11 @@ class ZeroConfig:
     simulated_nodes: int = 0
     """0 = real topology; N > 0 splits one machine's ranks into N simulated nodes, so hierarchical
     (inter-node) collectives run for real in tests and benchmarks."""
+    peer_timeout: float = 60.0
+    """Seconds without a heartbeat after which a rank is declared dead: the others then stop with
+    a message naming it instead of waiting for the process group's timeout (30 minutes). A rank
+    whose process is gone is named at once on its own host. 0 turns the watchdog off
+    (``engine/watchdog.py``, docs/failure_modes.md)."""
 
     def __post_init__(self) -> None:
         w = "ZeroConfig"
@@ -251,6 +265,8 @@ class ZeroConfig:
             _invalid(f"{w}.gradient_quant_bits", self.gradient_quant_bits, "must be 4 or 8",
                      "use 4 (least traffic) or 8 (more precise)")
         put("gradient_quant_bits", int(self.gradient_quant_bits))
+        put("peer_timeout", _seconds(f"{w}.peer_timeout", self.peer_timeout,
+                                     "use seconds >= 0, e.g. peer_timeout=60 (0 turns the watchdog off)"))
         sdt, sdt_fix = self.state_dict_type, "use 'sharded' (a file per rank), 'full' (one file) or None (stage default)"
         if sdt is not None and not isinstance(sdt, str):
             _invalid(f"{w}.state_dict_type", sdt, f"must be a str or None, not {type(sdt).__name__}", sdt_fix, TypeError)

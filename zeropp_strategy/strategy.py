@@ -20,6 +20,7 @@ Lifecycle (what happens where, and why there):
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 from collections.abc import Generator, Mapping
@@ -34,6 +35,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.overrides.distributed import _sync_module_states, prepare_for_backward
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.ddp import _DDPForwardRedirection
@@ -57,6 +59,7 @@ from zeropp_strategy.engine.memory import MemoryStats, memory_stats
 from zeropp_strategy.checkpoint.atomic import (
     META_FILE,
     atomic_torch_save,
+    find_checkpoints,
     new_nonce,
     publish,
     remove_path,
@@ -109,6 +112,25 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+class _ResumingLauncher(_SubprocessScriptLauncher):
+    """Lightning's script launcher; for ``ZeroPPStrategy(resume=...)`` it also fills in
+    ``trainer.fit``'s ``ckpt_path`` when the caller gave none (the launcher is the one
+    place a strategy sees that argument before the checkpoint is restored)."""
+
+    def __init__(self, strategy: ZeroPPStrategy, *args: Any) -> None:
+        super().__init__(*args)
+        self._strategy = strategy
+
+    def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        if trainer is not None and self._strategy.resume is not None and getattr(function, "__name__", "") == "_fit_impl":
+            bound = inspect.signature(function).bind(*args, **kwargs)
+            if bound.arguments.get("ckpt_path") is None:
+                bound.arguments["ckpt_path"] = choice = self._strategy.resume_path(trainer)
+                self._strategy._resume_choice = [choice]
+            args, kwargs = bound.args, bound.kwargs
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+
 class ZeroPPStrategy(ProcessMixin, ParallelStrategy):
     """ZeRO data parallelism: stage 1 (sharded optimizer state), 2 (+ sharded gradients),
     3 (+ sharded parameters), with ZeRO++ collectives and offload as configured.
@@ -125,6 +147,13 @@ class ZeroPPStrategy(ProcessMixin, ParallelStrategy):
             (``FloatingPointError`` on every rank naming the step, the first non-finite
             parameter and its rank), ``"skip"`` (no update for that step on any rank). The
             check is one all-reduce of a flag per optimizer step.
+        resume: ``"auto"``: when ``trainer.fit`` is called without ``ckpt_path``, resume
+            from the newest complete checkpoint in the directories of the Trainer's
+            ``ModelCheckpoint`` callbacks (their ``dirpath`` must be set: the default one
+            changes with every run's version), or start from scratch when there is none.
+            A directory path: the same, in that directory. Interrupted saves are never
+            chosen. Made for restarts (torchrun ``--max-restarts``, a scheduler's requeue):
+            the same command resumes where the job died. ``None`` (default): off.
         **config_fields: any ``ZeroConfig`` field, overriding ``config`` (e.g.
             ``stage=2``, ``wrap_modules=["GPT2Block"]``).
     """
@@ -145,12 +174,18 @@ class ZeroPPStrategy(ProcessMixin, ParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         on_nonfinite: str = "ignore",
+        resume: str | Path | None = None,
         **config_fields: Any,
     ) -> None:
         if on_nonfinite not in ("ignore", "raise", "skip"):
             raise ValueError(f"ZeroPPStrategy(on_nonfinite={on_nonfinite!r}) is invalid. Fix: use 'ignore', 'raise' "
                              "(stop with the step and the first non-finite parameter) or 'skip' (drop that step).")
+        if resume is not None and not isinstance(resume, (str, Path)):
+            raise TypeError(f"ZeroPPStrategy(resume={resume!r}) is invalid: must be 'auto', a directory or None. "
+                            "Fix: resume='auto' with ModelCheckpoint(dirpath=...), or resume='checkpoints/'.")
         self.config = ZeroConfig.coerce(config, where="ZeroPPStrategy(config)", overrides=config_fields)
+        self.resume = resume
+        self._resume_choice: list[str | None] = []  # set by the launcher for one fit, checked in setup_environment
         self.on_nonfinite = on_nonfinite
         self.skipped_steps = 0  # optimizer steps dropped by on_nonfinite="skip"
         super().__init__(
@@ -249,9 +284,56 @@ class ZeroPPStrategy(ProcessMixin, ParallelStrategy):
 
     # -- process group --------------------------------------------------------------------
 
+    def _configure_launcher(self) -> None:
+        # Always (as Lightning's DDP does): the launcher only starts processes when nobody
+        # else did, and it is where fit's ckpt_path is seen (resume="auto").
+        assert self.cluster_environment is not None
+        self._launcher = _ResumingLauncher(self, self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def resume_path(self, trainer: Any) -> str | None:
+        """The checkpoint ``resume`` picks for ``trainer`` now (newest complete one), or None.
+        Rank-local (no collective); raises ``ValueError`` when there is no directory to look in."""
+        if self.resume is None:
+            return None
+        if str(self.resume) == "auto":
+            dirs = sorted({str(cb.dirpath) for cb in trainer.checkpoint_callbacks
+                           if isinstance(cb, ModelCheckpoint) and cb.dirpath is not None})
+            if not dirs:
+                raise ValueError(
+                    "ZeroPPStrategy(resume='auto') needs a ModelCheckpoint with a fixed directory, and this "
+                    "Trainer has none (the default directory, lightning_logs/version_N/checkpoints, changes with "
+                    "every run, so a restarted job would not find its checkpoints). Fix: pass "
+                    "callbacks=[ModelCheckpoint(dirpath='checkpoints/', ...)], or resume='checkpoints/'."
+                )
+        else:
+            dirs = [str(self.resume)]
+        found = [p for d in dirs if Path(d).is_dir() for p in find_checkpoints(Path(d))]
+        if not found:
+            rank_zero_info(f"zeropp: resume={str(self.resume)!r}: no complete checkpoint in {', '.join(dirs)}; "
+                           "starting from scratch")
+            return None
+        newest = max(found, key=lambda p: (p.stat().st_mtime, str(p)))
+        rank_zero_info(f"zeropp: resume={str(self.resume)!r}: resuming from {newest}")
+        return str(newest)
+
+    def _check_resume_choice(self) -> None:
+        """Every rank must resume from the same checkpoint (or none): ranks of one job that
+        see the file system differently would otherwise load different states, or some
+        would wait in a load the others never start."""
+        if not self._resume_choice:
+            return
+        mine = self._resume_choice.pop()
+        everyone: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(everyone, mine)
+        if any(c != everyone[0] for c in everyone):
+            shown = "; ".join(f"rank {r}: {c}" for r, c in enumerate(everyone))
+            raise ValueError(f"ZeroPPStrategy(resume=...) chose different checkpoints on different ranks ({shown}). Fix: keep the checkpoint directory on a file system every node "
+                             "sees the same way, or pass ckpt_path explicitly.")
+
     def setup_environment(self) -> None:
         super().setup_environment()
         self._connect()
+        self._check_resume_choice()
         if self._engine is not None:
             # A later trainer.fit/validate/test on the same Trainer: the model is already
             # sharded and its comm objects book into this engine's ledger, so keep both
@@ -598,6 +680,13 @@ class ZeroPPStrategy(ProcessMixin, ParallelStrategy):
             remove_path(Path(filepath))
 
     # -- teardown and registry ----------------------------------------------------------
+
+    def on_exception(self, exception: BaseException) -> None:
+        # A collective that failed because another rank died: name that rank (waits at
+        # most peer_timeout for the evidence). See [Note: peer watchdog].
+        watchdog = self._engine.watchdog if self._engine is not None else None
+        if watchdog is not None and not isinstance(exception, KeyboardInterrupt):
+            watchdog.explain(exception)
 
     def teardown(self) -> None:
         # Offloaded optimizers keep their swap files past fit (trainer.save_checkpoint after

@@ -36,6 +36,7 @@ from zeropp_strategy.config import ZeroConfig
 from zeropp_strategy.engine.fsdp import fsdp_modules, materialize, replicated_params, shard_module
 from zeropp_strategy.engine.stage1 import ShardedOptimizer
 from zeropp_strategy.precision import ZeroPPPrecision
+from zeropp_strategy.engine.watchdog import PeerWatchdog
 from zeropp_strategy.topology import Meshes, Topology
 
 log = logging.getLogger(__name__)
@@ -99,6 +100,7 @@ class ZeroEngine:
         self._names_before: dict[int, str] = {}  # id(param before) -> "<module index>.<name>"
         self._params_after: dict[str, nn.Parameter] = {}  # "<module index>.<name>" -> param now
         self._prepared = 0
+        self.watchdog: PeerWatchdog | None = None  # set by start; see [Note: peer watchdog]
 
     @classmethod
     def start(
@@ -119,8 +121,10 @@ class ZeroEngine:
         meshes = topology.build_meshes(device.type)
         ledger = CommLedger(topology)
         precision.bind(device.type, ledger, meshes.world.get_group())
-        return cls(config, topology=topology, meshes=meshes, ledger=ledger, precision=precision, device=device,
-                   info=info)
+        engine = cls(config, topology=topology, meshes=meshes, ledger=ledger, precision=precision, device=device,
+                     info=info)
+        engine.watchdog = PeerWatchdog.start(timeout=config.peer_timeout, rank=rank, world_size=world_size)
+        return engine
 
     @property
     def stage(self) -> int:
