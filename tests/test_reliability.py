@@ -318,3 +318,114 @@ def test_ranks_that_would_resume_from_different_checkpoints_all_raise(tmp_path):
     errors = run_ranks(_resume_disagreement, 2, (str(tmp_path),), timeout_s=90)
     assert errors[0] == errors[1] and "chose different checkpoints on different ranks" in errors[0], errors
     assert "rank 1: None" in errors[0]
+
+
+# -- uneven evaluation inputs ([Note: uneven evaluation]) -----------------------------------------
+
+
+def _uneven_validation(rank: int, world: int, stage: int, counts: list[int]) -> dict:
+    import torch
+    from lightning.pytorch import Trainer
+    from torch.utils.data import DataLoader, Subset
+
+    from tests._models import ParityModule, dataset, trainer_kwargs
+    from zeropp_strategy import ZeroPPStrategy
+
+    class Uneven(ParityModule):
+        """Rank r validates on counts[r] batches of 4 (no DistributedSampler to even them)."""
+
+        seen = 0
+
+        def val_dataloader(self):
+            start = sum(counts[:rank]) * 4
+            return DataLoader(Subset(dataset(n=64, seed=1), range(start, start + counts[rank] * 4)), batch_size=4)
+
+        def validation_step(self, batch, batch_idx):
+            Uneven.seen += 1
+            x, y = batch
+            loss = torch.nn.functional.cross_entropy(self(x), y)
+            self.log("val_loss", loss, sync_dist=True)
+            self.log("val_batches", 1.0, reduce_fx="sum", sync_dist=True)
+
+    trainer = Trainer(strategy=ZeroPPStrategy(stage=stage, peer_timeout=30),
+                      **trainer_kwargs(world, limit_val_batches=None, use_distributed_sampler=False))
+    metrics = trainer.validate(Uneven(), verbose=False)[0]
+    return {"metrics": metrics, "steps": Uneven.seen}
+
+
+def test_uneven_validation_batches_do_not_hang_at_stage_3_and_count_once():
+    """Rank 0 has 3 validation batches, rank 1 has 1: at stage 3 rank 1 runs 2 padding
+    steps (its forwards are collectives rank 0 is in), whose logs are discarded, so the
+    metrics equal stage 2's, where forwards are local and nothing is padded."""
+    ref = run_ranks(_uneven_validation, 2, (2, [3, 1]), timeout_s=90)
+    got = run_ranks(_uneven_validation, 2, (3, [3, 1]), timeout_s=90)
+    assert [r["steps"] for r in ref] == [3, 1] and [r["steps"] for r in got] == [3, 3]
+    for r in (0, 1):
+        assert got[r]["metrics"]["val_batches"] == ref[r]["metrics"]["val_batches"] == 4.0
+        assert abs(got[r]["metrics"]["val_loss"] - ref[r]["metrics"]["val_loss"]) < 1e-6, (got, ref)
+
+
+def test_a_rank_without_validation_batches_borrows_one_at_stage_3():
+    got = run_ranks(_uneven_validation, 2, (3, [2, 0]), timeout_s=90)
+    assert [r["steps"] for r in got] == [2, 2]
+    assert got[0]["metrics"] == got[1]["metrics"]
+
+
+# -- on_nonfinite in Fabric and Accelerate ----------------------------------------------------------
+
+
+def _nonfinite_loop(rank: int, world: int, front: str, policy: str) -> dict:
+    import torch
+    from torch.utils.data import DataLoader
+
+    from tests._models import Net, dataset
+
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if front == "fabric":
+        from lightning.fabric import Fabric
+
+        from zeropp_strategy.fabric import ZeroPPFabricStrategy
+
+        runner = Fabric(strategy=ZeroPPFabricStrategy(stage=3, on_nonfinite=policy), accelerator="cpu",
+                        devices=world)
+        runner.launch()
+        model, optimizer = runner.setup(model, optimizer)
+        counter = runner.strategy
+    else:
+        from zeropp_strategy.accelerate import ZeroPPAccelerator
+
+        runner = counter = ZeroPPAccelerator(zero_config={"stage": 3}, on_nonfinite=policy)
+        model, optimizer = runner.prepare(model, optimizer)
+    loader = DataLoader(dataset(n=32, seed=rank), batch_size=4)
+    try:
+        for step, (x, y) in zip(range(4), loader):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            if step == 1 and rank == 1:
+                loss = loss * float("nan")  # a bad batch on one rank
+            runner.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+    except FloatingPointError as e:
+        return {"error": str(e)}
+    inner = optimizer
+    while hasattr(inner, "optimizer"):
+        inner = inner.optimizer
+    steps = sorted({float(s["step"]) for s in inner.state.values() if "step" in s})
+    finite = all(torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all().item()
+                 for p in model.parameters())
+    return {"skipped": counter.skipped_steps, "steps": steps, "finite": finite}
+
+
+import pytest  # noqa: E402
+
+
+@pytest.mark.parametrize("front", ["fabric", "accelerate"])
+def test_nonfinite_policies_in_fabric_and_accelerate(front):
+    raised = run_ranks(_nonfinite_loop, 2, (front, "raise"), timeout_s=120)
+    assert raised[0] == raised[1], raised
+    assert "non-finite values at optimizer step 1: non-finite loss on rank(s) 1" in raised[0]["error"], raised
+    skipped = run_ranks(_nonfinite_loop, 2, (front, "skip"), timeout_s=120)
+    for r in skipped:
+        assert r == {"skipped": 1, "steps": [3.0], "finite": True}, skipped

@@ -43,7 +43,7 @@ from torch.optim import Optimizer
 from zeropp_strategy._process import ProcessMixin
 from zeropp_strategy.checkpoint.objects import load_objects, save_objects, split_state, stateful
 from zeropp_strategy.config import ZeroConfig
-from zeropp_strategy.engine.core import ZeroEngine, close_offload
+from zeropp_strategy.engine.core import ZeroEngine, check_nonfinite, check_nonfinite_policy, close_offload
 from zeropp_strategy.engine.core import unwrap as _unwrap
 from zeropp_strategy.engine.fsdp import fsdp_modules, has_meta
 from zeropp_strategy.precision import ZeroPPPrecision, clip_grad_norm, clip_grad_value
@@ -64,6 +64,10 @@ class ZeroPPFabricStrategy(ProcessMixin, ParallelStrategy):
             file from rank 0); default from the config (sharded at stages 2/3).
         accelerator, parallel_devices, cluster_environment, precision: set by Fabric.
         process_group_backend, timeout: as for Fabric's DDP strategy.
+        on_nonfinite: ``"ignore"`` (default), ``"raise"`` or ``"skip"``: what a NaN/inf loss
+            (the last one given to ``fabric.backward``) or gradient does at
+            ``optimizer.step()``, on every rank alike (as ``ZeroPPStrategy``'s; fp16's loss
+            scaler handles overflow itself). ``skipped_steps`` counts the dropped steps.
         **config_fields: any ``ZeroConfig`` field, overriding ``config``.
     """
 
@@ -80,8 +84,13 @@ class ZeroPPFabricStrategy(ProcessMixin, ParallelStrategy):
         precision: Precision | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        on_nonfinite: str = "ignore",
         **config_fields: Any,
     ) -> None:
+        self.on_nonfinite = check_nonfinite_policy(on_nonfinite, "ZeroPPFabricStrategy")
+        self.skipped_steps = 0
+        self._steps = 0  # optimizer steps taken (for the non-finite message)
+        self._last_loss: Tensor | None = None
         self.config = ZeroConfig.coerce(config, where="ZeroPPFabricStrategy(config)", overrides=config_fields)
         super().__init__(
             accelerator=accelerator,
@@ -180,10 +189,22 @@ class ZeroPPFabricStrategy(ProcessMixin, ParallelStrategy):
     # -- backward and clipping -------------------------------------------------------------
 
     def backward(self, tensor: Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
+        self._last_loss = tensor.detach() if tensor.numel() == 1 else None
         super().backward(tensor, module, *args, **kwargs)
         if self._grad_sync:
             for m in [module] if module is not None else self._modules:
                 self.engine.reduce_replicated_grads(m)
+
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        step = self._steps
+        self._steps += 1
+        if self.on_nonfinite != "ignore" and getattr(self.precision, "scaler", None) is None:
+            named = [(f"{i}.{n}" if len(self._modules) > 1 else n, p)
+                     for i, m in enumerate(self._modules) for n, p in m.named_parameters()]
+            if check_nonfinite(named, self._last_loss, policy=self.on_nonfinite, step=step,
+                               where="ZeroPPFabricStrategy", device=self.root_device):
+                self.skipped_steps += 1
+        return super().optimizer_step(optimizer, **kwargs)
 
     def clip_gradients_norm(
         self,

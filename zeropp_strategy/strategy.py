@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import math
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -42,6 +41,7 @@ from lightning.pytorch.strategies.ddp import _DDPForwardRedirection
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import _ForwardRedirection
+from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
@@ -52,10 +52,11 @@ from torch.optim import Optimizer
 from zeropp_strategy._process import ProcessMixin
 from zeropp_strategy.comm.ledger import CommLedger, Phase
 from zeropp_strategy.config import ZeroConfig
-from zeropp_strategy.engine.core import ZeroEngine
+from zeropp_strategy.engine.core import ZeroEngine, check_nonfinite, check_nonfinite_policy
 from zeropp_strategy.engine.fsdp import ShardedRoot, fsdp_modules, materialize
 from zeropp_strategy.engine.wrap import apply_activation_checkpointing, select_blocks
 from zeropp_strategy.engine.memory import MemoryStats, memory_stats
+from zeropp_strategy.engine.uneven import EvenBatches
 from zeropp_strategy.checkpoint.atomic import (
     META_FILE,
     atomic_torch_save,
@@ -86,7 +87,6 @@ from zeropp_strategy.engine.state import (
 )
 from zeropp_strategy.precision import ZeroPPPrecision, from_lightning_plugin
 from zeropp_strategy.topology import Meshes, Topology
-from zeropp_strategy.engine.dtensor import local as _local
 
 log = logging.getLogger(__name__)
 _TENSORS = "__zeropp_tensors__"  # optimizer_state() -> save_checkpoint hand-off key
@@ -177,9 +177,7 @@ class ZeroPPStrategy(ProcessMixin, ParallelStrategy):
         resume: str | Path | None = None,
         **config_fields: Any,
     ) -> None:
-        if on_nonfinite not in ("ignore", "raise", "skip"):
-            raise ValueError(f"ZeroPPStrategy(on_nonfinite={on_nonfinite!r}) is invalid. Fix: use 'ignore', 'raise' "
-                             "(stop with the step and the first non-finite parameter) or 'skip' (drop that step).")
+        check_nonfinite_policy(on_nonfinite, "ZeroPPStrategy")
         if resume is not None and not isinstance(resume, (str, Path)):
             raise TypeError(f"ZeroPPStrategy(resume={resume!r}) is invalid: must be 'auto', a directory or None. "
                             "Fix: resume='auto' with ModelCheckpoint(dirpath=...), or resume='checkpoints/'.")
@@ -433,11 +431,44 @@ class ZeroPPStrategy(ProcessMixin, ParallelStrategy):
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.val_step_context(), self.comm_ledger.phase(Phase.FORWARD):
-            return self._redirect("validation_step", *args, **kwargs)
+            return self._evaluation_step("validation_step", *args, **kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.test_step_context(), self.comm_ledger.phase(Phase.FORWARD):
-            return self._redirect("test_step", *args, **kwargs)
+            return self._evaluation_step("test_step", *args, **kwargs)
+
+    # -- uneven evaluation inputs: see [Note: uneven evaluation] ---------------------------
+
+    def process_dataloader(self, dataloader: Any) -> Any:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if (self.stage == 3 and self.world_size > 1 and trainer is not None
+                and (trainer.sanity_checking or trainer.validating or trainer.testing)):
+            device = self.root_device if self.process_group_backend == "nccl" else None
+            return EvenBatches(dataloader, device=device)
+        return dataloader
+
+    def _evaluation_step(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        loop = trainer._evaluation_loop if trainer is not None else None
+        combined = getattr(loop, "_combined_loader", None)
+        if combined is None:
+            return self._redirect(method, *args, **kwargs)
+        index = loop._results.dataloader_idx or 0
+        loaders = combined.flattened
+        wrapper = loaders[index] if index < len(loaders) else None
+        if not isinstance(wrapper, EvenBatches) or not wrapper.take_padding_flag() or wrapper.real_batches == 0:
+            return self._redirect(method, *args, **kwargs)
+        # A padding batch: run the step (its forwards are collectives the other ranks are in)
+        # but throw away what it logs and returns.
+        kept = loop._results
+        scratch = _ResultCollection(training=False)
+        scratch.batch, scratch.batch_size, scratch.dataloader_idx = kept.batch, kept.batch_size, kept.dataloader_idx
+        loop._results = scratch
+        try:
+            self._redirect(method, *args, **kwargs)
+        finally:
+            loop._results = kept
+        return None
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.predict_step_context(), self.comm_ledger.phase(Phase.FORWARD):
@@ -458,50 +489,13 @@ class ZeroPPStrategy(ProcessMixin, ParallelStrategy):
 
         return super().optimizer_step(optimizer, checked, model, **kwargs)
 
-    @torch.no_grad()
     def _check_nonfinite(self, loss: Any) -> None:
-        """After backward: one all-reduce says whether any rank has a non-finite loss or
-        gradient (its own shard); then every rank raises the same error, or drops the
-        gradients so that the optimizer skips the step."""
-        import torch.distributed as dist
-
         assert self.lightning_module is not None
-        params = [(n, p) for n, p in self.lightning_module.named_parameters() if p.grad is not None]
-        first = None
-        for name, p in params:
-            g = _local(p.grad)
-            if not torch.isfinite(g).all():
-                first = name
-                break
-        loss_value = float(loss.detach()) if isinstance(loss, Tensor) and loss.numel() == 1 else None
-        bad_loss = loss_value is not None and not math.isfinite(loss_value)
-        flag = torch.tensor([1.0 if (first is not None or bad_loss) else 0.0], device=self.root_device)
-        if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() == 0:
-            return
-        step = self.lightning_module.trainer.global_step if self.lightning_module._trainer is not None else -1
-        reports: list[Any] = [(first, loss_value)]
-        if dist.is_initialized():
-            reports = [None] * dist.get_world_size()
-            dist.all_gather_object(reports, (first, loss_value))
-        where = next(((r, name) for r, (name, _) in enumerate(reports) if name is not None), None)
-        losses = ", ".join(f"rank {r}: {v:.4g}" for r, (_, v) in enumerate(reports) if v is not None)
-        bad_ranks = [str(r) for r, (_, v) in enumerate(reports) if v is not None and not math.isfinite(v)]
-        parts = [f"non-finite loss on rank(s) {', '.join(bad_ranks)}"] if bad_ranks else []
-        if where:  # after the gradient reduction, so one rank's NaN shows on every rank
-            parts.append(f"first non-finite gradient in {where[1]!r} on rank {where[0]}")
-        what = "; ".join(parts)
-        if self.on_nonfinite == "raise":
-            raise FloatingPointError(
-                f"zeropp: non-finite values at optimizer step {step}: {what} (losses: {losses}). Fix: lower the "
-                "learning rate, check this step's data, prefer bf16 to fp16, or pass "
-                "ZeroPPStrategy(on_nonfinite='skip') to drop such steps."
-            )
-        for _, p in self.lightning_module.named_parameters():
-            p.grad = None  # optimizers skip parameters without a gradient: no update, no state change
-        self.skipped_steps += 1
-        log.warning("zeropp: skipped optimizer step %d on every rank: %s (losses: %s)", step, what, losses)
+        trainer = self.lightning_module._trainer
+        if check_nonfinite(list(self.lightning_module.named_parameters()), loss, policy=self.on_nonfinite,
+                           step=trainer.global_step if trainer is not None else -1, where="ZeroPPStrategy",
+                           device=self.root_device):
+            self.skipped_steps += 1
 
     def pre_backward(self, closure_loss: Tensor) -> None:
         # Manual optimization under DDP (stage 1) must tell the reducer what to expect.

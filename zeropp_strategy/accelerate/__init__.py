@@ -41,7 +41,14 @@ from torch.optim import Optimizer
 from zeropp_strategy.accelerate.launch import torchrun_without_gpu
 from zeropp_strategy.checkpoint.objects import load_objects, save_objects
 from zeropp_strategy.config import ZeroConfig
-from zeropp_strategy.engine.core import ZeroEngine, check_offload_paths, close_offload, default_backend
+from zeropp_strategy.engine.core import (
+    ZeroEngine,
+    check_nonfinite,
+    check_nonfinite_policy,
+    check_offload_paths,
+    close_offload,
+    default_backend,
+)
 from zeropp_strategy.engine.core import unwrap as _unwrap
 from zeropp_strategy.engine.fsdp import fsdp_modules
 from zeropp_strategy.engine.state import full_model_state
@@ -95,6 +102,28 @@ def _with_offload_backend(config: ZeroConfig, kwargs: dict[str, Any]) -> dict[st
     return {**kwargs, "kwargs_handlers": handlers}
 
 
+class _CheckedOptimizer(AcceleratedOptimizer):
+    """Accelerate's optimizer wrapper, plus ``ZeroPPAccelerator(on_nonfinite=...)``'s check
+    before each real step (after the last accumulation micro-batch)."""
+
+    def __init__(self, accelerator: ZeroPPAccelerator, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._accelerator = accelerator
+
+    def step(self, closure: Any = None) -> None:
+        acc = self._accelerator
+        if self.gradient_state.sync_gradients:
+            step = acc._optimizer_steps
+            acc._optimizer_steps += 1
+            if acc.on_nonfinite != "ignore" and self.scaler is None:
+                named = [(f"{i}.{n}" if len(acc._models) > 1 else n, p)
+                         for i, m in enumerate(acc._models) for n, p in _unwrap(m).named_parameters()]
+                if check_nonfinite(named, acc._last_loss, policy=acc.on_nonfinite, step=step,
+                                   where="ZeroPPAccelerator", device=acc.device):
+                    acc.skipped_steps += 1
+        return super().step(closure)
+
+
 class ZeroPPAccelerator(Accelerator):
     """``accelerate.Accelerator`` whose models and optimizers run on the zeropp engine.
 
@@ -103,9 +132,19 @@ class ZeroPPAccelerator(Accelerator):
             ``gradient_accumulation_steps``, ``project_dir`` ...).
         zero_config: a ``ZeroConfig``, a dict of its fields or a YAML/DeepSpeed JSON path;
             default: ``$ZEROPP_CONFIG``, else ``ZeroConfig(stage=3)``.
+        on_nonfinite: ``"ignore"`` (default), ``"raise"`` or ``"skip"``: what a NaN/inf loss
+            (the last one given to ``accelerator.backward``) or gradient does at the
+            optimizer step (not at accumulation micro-steps), on every rank alike, as
+            ``ZeroPPStrategy``'s; fp16's loss scaler handles overflow itself.
+            ``skipped_steps`` counts the dropped steps.
     """
 
-    def __init__(self, *args: Any, zero_config: ZeroConfig | dict | str | Path | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, zero_config: ZeroConfig | dict | str | Path | None = None,
+                 on_nonfinite: str = "ignore", **kwargs: Any) -> None:
+        self.on_nonfinite = check_nonfinite_policy(on_nonfinite, "ZeroPPAccelerator")
+        self.skipped_steps = 0
+        self._optimizer_steps = 0
+        self._last_loss: torch.Tensor | None = None
         # Config errors first, on every rank, before Accelerate creates the process group.
         if zero_config is None:
             config = config_from_env()
@@ -193,7 +232,7 @@ class ZeroPPAccelerator(Accelerator):
             optimizer,
             fix="pass its model to accelerator.prepare() in the same call as the optimizer or an earlier one.")
         # device_placement=False: our wrappers hold state where the config puts it.
-        accelerated = AcceleratedOptimizer(wrapped, device_placement=False, scaler=self.scaler)
+        accelerated = _CheckedOptimizer(self, wrapped, device_placement=False, scaler=self.scaler)
         self._optimizers.append(accelerated)
         return accelerated
 
@@ -202,6 +241,7 @@ class ZeroPPAccelerator(Accelerator):
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         if self.zero_engine is None:
             return super().backward(loss, **kwargs)
+        self._last_loss = loss.detach() if loss.numel() == 1 else None
         loss = loss / self.gradient_accumulation_steps
         if self.scaler is not None:
             self.scaler.scale(loss).backward(**kwargs)

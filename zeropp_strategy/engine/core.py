@@ -20,6 +20,7 @@ objects is the same and lives here, once:
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from typing import Any
@@ -33,10 +34,11 @@ from torch.optim import Optimizer
 from zeropp_strategy.comm.collectives import LedgerHookState, all_reduce, ledger_allreduce_hook
 from zeropp_strategy.comm.ledger import CommKind, CommLedger
 from zeropp_strategy.config import ZeroConfig
+from zeropp_strategy.engine.dtensor import local as _local
 from zeropp_strategy.engine.fsdp import fsdp_modules, materialize, replicated_params, shard_module
 from zeropp_strategy.engine.stage1 import ShardedOptimizer
-from zeropp_strategy.precision import ZeroPPPrecision
 from zeropp_strategy.engine.watchdog import PeerWatchdog
+from zeropp_strategy.precision import ZeroPPPrecision
 from zeropp_strategy.topology import Meshes, Topology
 
 log = logging.getLogger(__name__)
@@ -464,6 +466,63 @@ def agree(what: str, fn: Callable[[], Any], *, device: torch.device | None = Non
     if failed >= 0:
         raise RuntimeError(f"zeropp: {what} failed on rank {failed} (its error is in its log); stopping this rank too.")
     return result
+
+
+NONFINITE_POLICIES = ("ignore", "raise", "skip")
+
+
+def check_nonfinite_policy(value: Any, where: str) -> str:
+    """``on_nonfinite`` of a front-end, validated (a ``ValueError`` naming ``where``)."""
+    if value not in NONFINITE_POLICIES:
+        raise ValueError(f"{where}(on_nonfinite={value!r}) is invalid. Fix: use 'ignore', 'raise' (stop with the "
+                         "step and the first non-finite parameter) or 'skip' (drop that step).")
+    return value
+
+
+@torch.no_grad()
+def check_nonfinite(named_params: list[tuple[str, torch.Tensor]], loss: Any, *, policy: str, step: int,
+                    where: str, device: torch.device | None = None) -> bool:
+    """After backward, before the optimizer step: one all-reduce says whether any rank has a
+    non-finite loss or gradient (in its own shard). Then every rank raises the same
+    ``FloatingPointError`` (``policy="raise"``: the step, the ranks with a bad loss, the first
+    non-finite gradient and its rank), or drops every gradient so that the optimizer skips
+    the step (``"skip"``; returns True). ``where``: the front-end, for the fix."""
+    first = None
+    for name, p in named_params:
+        if p.grad is not None and not torch.isfinite(_local(p.grad)).all():
+            first = name
+            break
+    loss_value = float(loss.detach()) if isinstance(loss, torch.Tensor) and loss.numel() == 1 else (
+        float(loss) if isinstance(loss, (int, float)) else None)
+    bad_loss = loss_value is not None and not math.isfinite(loss_value)
+    distributed = dist.is_available() and dist.is_initialized()
+    flag = torch.tensor([1.0 if (first is not None or bad_loss) else 0.0],
+                        device=device if device is not None else torch.device("cpu"))
+    if distributed:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item() == 0:
+        return False
+    reports: list[Any] = [(first, loss_value)]
+    if distributed:
+        reports = [None] * dist.get_world_size()
+        dist.all_gather_object(reports, (first, loss_value))
+    at = next(((r, name) for r, (name, _) in enumerate(reports) if name is not None), None)
+    losses = ", ".join(f"rank {r}: {v:.4g}" for r, (_, v) in enumerate(reports) if v is not None)
+    bad_ranks = [str(r) for r, (_, v) in enumerate(reports) if v is not None and not math.isfinite(v)]
+    parts = [f"non-finite loss on rank(s) {', '.join(bad_ranks)}"] if bad_ranks else []
+    if at:  # after the gradient reduction, so one rank's NaN shows on every rank
+        parts.append(f"first non-finite gradient in {at[1]!r} on rank {at[0]}")
+    what = "; ".join(parts)
+    if policy == "raise":
+        raise FloatingPointError(
+            f"zeropp: non-finite values at optimizer step {step}: {what} (losses: {losses}). Fix: lower the "
+            f"learning rate, check this step's data, prefer bf16 to fp16, or pass {where}(on_nonfinite='skip') "
+            "to drop such steps."
+        )
+    for _, p in named_params:
+        p.grad = None  # optimizers skip parameters without a gradient: no update, no state change
+    log.warning("zeropp: skipped optimizer step %d on every rank: %s (losses: %s)", step, what, losses)
+    return True
 
 
 def _comparable(config: ZeroConfig) -> dict[str, Any]:
