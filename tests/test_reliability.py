@@ -191,7 +191,8 @@ def test_a_killed_rank_stops_the_others_with_its_name(tmp_path):
 def test_a_frozen_rank_is_named_after_peer_timeout(tmp_path):
     """SIGSTOP of rank 1 (alive but silent: gloo would wait for the process-group timeout,
     30 minutes): rank 0 stops after peer_timeout=4 s plus the grace, naming rank 1."""
-    results, spread = _job(tmp_path, 2, "--fault", "stop", "--victim", "1", "--peer-timeout", "4", limit_s=45)
+    # rank 0 exits first; the frozen rank 1 is then killed by the harness after 2 s
+    results, spread = _job(tmp_path, 2, "--fault", "stop", "--victim", "1", "--peer-timeout", "4", limit_s=2)
     status, out = results[0]
     assert status == 1, out[-3000:]
     assert "rank 1 " in out and "no heartbeat" in out, out[-3000:]
