@@ -47,7 +47,7 @@ def main() -> None:
         def training_step(self, batch, batch_idx):
             Faulty.steps_here += 1
             if a.fault != "none" and first_attempt and rank == a.victim and self.trainer.global_step == a.at_step:
-                print(f"injecting {a.fault} on rank {rank} at step {a.at_step}", flush=True)
+                print(f"injecting {a.fault} on rank {rank} at step {a.at_step} (t={time.time():.3f})", flush=True)
                 if a.fault == "error":
                     raise ValueError("injected fault on this rank")
                 os.kill(os.getpid(), signal.SIGKILL if a.fault == "kill" else signal.SIGSTOP)

@@ -430,3 +430,67 @@ def test_nonfinite_policies_in_fabric_and_accelerate(front):
     skipped = run_ranks(_nonfinite_loop, 2, (front, "skip"), timeout_s=120)
     for r in skipped:
         assert r == {"skipped": 1, "steps": [3.0], "finite": True}, skipped
+
+
+# -- the watchdog's logic, in one process (a HashStore stands in for the rendezvous store) ------
+
+
+def _watchdog(timeout=0.5, world=2):
+    import torch.distributed as dist
+
+    from zeropp_strategy.engine.watchdog import PeerWatchdog
+
+    exits = []
+    store = dist.HashStore()
+    w = PeerWatchdog(store, rank=0, world_size=world, timeout=timeout, generation=999, exit=exits.append)
+    return w, store, exits
+
+
+def test_watchdog_declares_a_silent_peer_dead_and_exits():
+    w, store, exits = _watchdog()
+    store.set("zeropp/peers/999/who/1", "elsewhere|1|4242")  # another host: only heartbeats count
+    deadline = time.time() + 10
+    while not exits and time.time() < deadline:
+        time.sleep(0.05)
+    assert exits == [1]
+    assert w.finding.startswith("rank 1 (pid 4242 on elsewhere) stopped responding: no heartbeat for")
+    assert store.get("zeropp/peers/999/dead").decode() == w.finding
+    assert store.get("zeropp/peers/999/end/0").decode().startswith("comm: rank 1")
+
+
+def test_watchdog_leaves_a_peer_that_ended_alone():
+    w, store, exits = _watchdog(timeout=0.3)
+    store.set("zeropp/peers/999/end/1", "done")
+    time.sleep(1.5)
+    assert exits == [] and w.finding is None and w.running
+    w.stop()
+    assert not w.running and store.get("zeropp/peers/999/end/0") == b"done"
+
+
+def test_watchdog_explains_a_comm_failure_by_the_rank_that_raised_first():
+    w, store, exits = _watchdog(timeout=5)
+    store.set("zeropp/peers/999/end/1", "error: ValueError: bad batch")
+    line = w.explain(RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer"))
+    assert "because rank 1 stopped with an error (ValueError: bad batch)" in line
+    assert w.explain(ValueError("own error")) is None  # not a collective failure: nothing to explain
+    w.stop()
+    assert exits == []
+
+
+def test_process_gone_sees_exited_and_zombie_processes():
+    from zeropp_strategy.engine.watchdog import _identity, _process_gone, is_comm_failure
+
+    assert not _process_gone(_identity())
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    while True:  # exited, not reaped yet: a zombie
+        time.sleep(0.05)
+        with open(f"/proc/{child.pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                break
+    host, ns, _ = _identity().split("|")
+    assert _process_gone(f"{host}|{ns}|{child.pid}")
+    child.wait()
+    assert _process_gone(f"{host}|{ns}|{child.pid}")
+    assert not _process_gone(f"another-host|{ns}|{child.pid}")
+    assert is_comm_failure(RuntimeError("Gloo connectFullMesh failed ... Connection refused"))
+    assert not is_comm_failure(RuntimeError("zeropp: exporting x failed on rank 0"))

@@ -56,8 +56,8 @@ log = logging.getLogger(__name__)
 
 EXIT_STATUS = 1
 WATCHED_PEERS = 2  # each rank watches the next two in ring order
-_COMM_WORDS = ("gloo", "nccl", "connection reset", "connection closed", "broken pipe", "timed out", "timeout",
-               "socket", "peer")
+_COMM_WORDS = ("gloo", "nccl", "connection reset", "connection closed", "connection refused", "broken pipe",
+               "timed out", "timeout", "socket")
 
 _generation = 0  # watchdogs started in this process: keys of a later engine never see an earlier one's
 _current: PeerWatchdog | None = None
