@@ -25,13 +25,15 @@ import platform
 import re
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests._fault_worker import start_ranks, stop_ranks  # noqa: E402
 
 
 def _free_port() -> int:
@@ -43,16 +45,8 @@ def _free_port() -> int:
 def run_case(fault: str, peer_timeout: float, world: int, cap: float) -> dict:
     port = _free_port()
     with tempfile.TemporaryDirectory() as tmp:
-        procs, logs = [], []
-        for rank in range(world):
-            env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                   "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
-                   "NODE_RANK": "0", "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1"}
-            log = open(Path(tmp) / f"rank{rank}.log", "w+")
-            logs.append(log)
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "tests._fault_worker", "--fault", fault, "--victim", "1",
-                 "--peer-timeout", str(peer_timeout)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+        procs, logs = start_ranks(world, ["--fault", fault, "--victim", "1", "--peer-timeout", str(peer_timeout)],
+                                  Path(tmp), port)
         survivors = [r for r in range(world) if r != 1]
         injected = None
         exits: dict[int, float] = {}
@@ -70,15 +64,7 @@ def run_case(fault: str, peer_timeout: float, world: int, cap: float) -> dict:
                     break
                 time.sleep(0.05)
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                p.wait()
-        outputs = []
-        for log in logs:
-            log.seek(0)
-            outputs.append(log.read())
-            log.close()
+            outputs = stop_ranks(procs, logs)
     if injected is None:
         raise RuntimeError("the fault was never injected:\n" + outputs[1][-3000:])
     hung = len(exits) < len(survivors)

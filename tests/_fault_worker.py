@@ -15,7 +15,10 @@ import argparse
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
 from lightning.pytorch import Trainer, seed_everything
@@ -23,6 +26,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from tests._models import ParityModule, trainer_kwargs
 from zeropp_strategy import ZeroPPStrategy
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:
@@ -70,6 +75,38 @@ def main() -> None:
     if a.linger and rank == world - 1:
         time.sleep(a.linger)  # rank-local work after fit: the others have exited by now
     print(f"rank {rank} finished after {Faulty.steps_here} steps in this process", flush=True)
+
+
+# -- the launcher side: the tests and benchmarks/fault_detection.py start jobs with these ------
+
+
+def start_ranks(world: int, args: list[str], log_dir: Path, port: int) -> tuple[list, list]:
+    """Start ``world`` ranks of this module as torchrun would (one process each, output to
+    ``log_dir/rank<r>.log``). Pair with ``stop_ranks``."""
+    procs, logs = [], []
+    for rank in range(world):
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+               "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world), "NODE_RANK": "0",
+               "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1"}
+        log = open(Path(log_dir) / f"rank{rank}.log", "w+")
+        logs.append(log)
+        procs.append(subprocess.Popen([sys.executable, "-m", "tests._fault_worker", *args], cwd=ROOT, env=env,
+                                      stdout=log, stderr=subprocess.STDOUT))
+    return procs, logs
+
+
+def stop_ranks(procs: list, logs: list) -> list[str]:
+    """Kill what still runs, reap everything, return each rank's output."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+    outputs = []
+    for log in logs:
+        log.seek(0)
+        outputs.append(log.read())
+        log.close()
+    return outputs
 
 
 if __name__ == "__main__":

@@ -132,6 +132,7 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from tests._dist import free_port  # noqa: E402
+from tests._fault_worker import start_ranks, stop_ranks  # noqa: E402
 
 _ROOT = Path(__file__).resolve().parents[1]
 
@@ -141,16 +142,7 @@ def _job(tmp_path: Path, world: int, *args: str, limit_s: float = 90.0):
     ``limit_s`` for the others once any has exited; kill everything left, always.
     Returns [(exit status or None if it had to be killed, output)] per rank and the seconds
     from the first exit to the last."""
-    port = free_port()
-    procs, logs = [], []
-    for rank in range(world):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-               "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world), "NODE_RANK": "0",
-               "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1"}
-        log = open(tmp_path / f"rank{rank}.log", "w+")
-        logs.append(log)
-        procs.append(subprocess.Popen([sys.executable, "-m", "tests._fault_worker", *args], cwd=_ROOT, env=env,
-                                      stdout=log, stderr=subprocess.STDOUT))
+    procs, logs = start_ranks(world, list(args), tmp_path, free_port())
     try:
         start = time.monotonic()
         first_exit = None
@@ -164,15 +156,7 @@ def _job(tmp_path: Path, world: int, *args: str, limit_s: float = 90.0):
         spread = time.monotonic() - (first_exit or start)
         statuses = [p.poll() for p in procs]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-    outputs = []
-    for log in logs:
-        log.seek(0)
-        outputs.append(log.read())
-        log.close()
+        outputs = stop_ranks(procs, logs)
     return list(zip(statuses, outputs)), spread
 
 
