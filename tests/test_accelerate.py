@@ -253,3 +253,37 @@ def test_offload_on_cuda_asks_accelerate_for_gloo_beside_nccl(monkeypatch):
     assert h.backend == "cpu:gloo,cuda:nccl" and h.timeout == timedelta(seconds=99) and mine.backend == "nccl"
     assert "kwargs_handlers" not in _with_offload_backend(ZeroConfig(stage=3), {})
     assert "kwargs_handlers" not in _with_offload_backend(off, {"cpu": True})
+
+
+_RESTARTED = """
+import os, signal, time, torch
+from zeropp_strategy.accelerate import ZeroPPAccelerator
+if os.environ["TORCHELASTIC_RESTART_COUNT"] == "1" and os.environ["LOCAL_RANK"] == "1":
+    time.sleep(3)  # rank 0 reaches the rendezvous first: it would read rank 1's keys of attempt 0
+acc = ZeroPPAccelerator(zero_config={"stage": 3})
+model = torch.nn.Linear(8, 8)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+model, opt = acc.prepare(model, opt)
+attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+for step in range(4):
+    if step == 2 and acc.process_index == 1 and attempt == "0":
+        os.kill(os.getpid(), signal.SIGKILL)
+    acc.backward(model(torch.ones(4, 8)).sum())
+    opt.step()
+    opt.zero_grad()
+print(f"attempt {attempt} rank {acc.process_index} done", flush=True)
+"""
+
+
+def test_torchrun_restart_works_with_the_accelerator(tmp_path):
+    """torchrun --max-restarts on gloo: a restarted attempt must not read the failed one's
+    rendezvous keys (it would fail with 'Gloo connectFullMesh failed ... Connection refused')."""
+    script = tmp_path / "restarted.py"
+    script.write_text(_RESTARTED)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script)]
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-5000:]
+    assert "attempt 1 rank 0 done" in out and "attempt 1 rank 1 done" in out, out[-3000:]

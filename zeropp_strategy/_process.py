@@ -10,20 +10,17 @@ its front-end's script launcher (``_launcher_cls``) and registry label (``_regis
 from __future__ import annotations
 
 import atexit
-import os
-from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import _distributed_is_initialized, _init_dist_connection
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
-from zeropp_strategy.engine.core import ZeroEngine, check_offload_paths, default_backend
+from zeropp_strategy.engine.core import ZeroEngine, attempt_store, check_offload_paths, default_backend
 
 T = TypeVar("T")
 
@@ -52,23 +49,6 @@ def _destroy_process_groups_at_exit() -> None:
                 pass
 
     atexit.register(destroy)
-
-
-def attempt_store(timeout: timedelta | None) -> dist.Store | None:
-    """Under torchrun, the agent's store with a key prefix per restart attempt; None elsewhere.
-
-    torchrun ``--max-restarts`` keeps its agent's store across attempts, and (torch 2.13)
-    the default process group of a restarted attempt reads the rendezvous keys the failed
-    attempt left there: gloo then connects to the dead workers' addresses and every restart
-    fails with "Gloo connectFullMesh failed ... Connection refused". A prefix per attempt
-    (``TORCHELASTIC_RESTART_COUNT``) gives each attempt clean keys.
-    """
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or attempt is None:
-        return None
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=timeout or default_pg_timeout)
-    return dist.PrefixStore(f"zeropp/attempt_{attempt}", store)
 
 
 class ProcessMixin:

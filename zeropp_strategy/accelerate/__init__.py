@@ -43,6 +43,7 @@ from zeropp_strategy.checkpoint.objects import load_objects, save_objects
 from zeropp_strategy.config import ZeroConfig
 from zeropp_strategy.engine.core import (
     ZeroEngine,
+    attempt_store,
     check_nonfinite,
     check_nonfinite_policy,
     check_offload_paths,
@@ -102,6 +103,30 @@ def _with_offload_backend(config: ZeroConfig, kwargs: dict[str, Any]) -> dict[st
     return {**kwargs, "kwargs_handlers": handlers}
 
 
+def _init_process_group_per_attempt(kwargs: dict[str, Any]) -> None:
+    """Under torchrun, create the default process group here, on a store prefix per restart
+    attempt (``engine.core.attempt_store``: without it every ``--max-restarts`` restart on
+    gloo fails to connect), with the backend and timeout Accelerate would use. Accelerate
+    then adopts the existing group. Elsewhere: nothing (Accelerate creates it as usual)."""
+    import torch.distributed as dist
+    from accelerate.utils import InitProcessGroupKwargs
+
+    if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return
+    handler = next((h for h in kwargs.get("kwargs_handlers") or [] if isinstance(h, InitProcessGroupKwargs)), None)
+    given = handler.to_kwargs() if handler is not None else {}  # only the fields the user changed
+    store = attempt_store(given.get("timeout"))
+    if store is None:
+        return
+    cpu = bool(kwargs.get("cpu")) or not torch.cuda.is_available()
+    backend = given.get("backend") or ("gloo" if cpu else "nccl")
+    if not cpu:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    extra = {"timeout": given["timeout"]} if given.get("timeout") is not None else {}
+    dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]), **extra)
+
+
 class _CheckedOptimizer(AcceleratedOptimizer):
     """Accelerate's optimizer wrapper, plus ``ZeroPPAccelerator(on_nonfinite=...)``'s check
     before each real step (after the last accumulation micro-batch)."""
@@ -156,6 +181,7 @@ class ZeroPPAccelerator(Accelerator):
         kwargs = _with_offload_backend(config, kwargs)
         if config.gather_16bit is None:  # Accelerate's mixed precision: autocast over fp32 weights
             config = config.replace(gather_16bit=False)
+        _init_process_group_per_attempt(kwargs)
         super().__init__(*args, **kwargs)
         if self.distributed_type not in (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU, DistributedType.NO):
             raise ValueError(

@@ -21,12 +21,15 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+from datetime import timedelta
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
@@ -55,6 +58,23 @@ def default_backend(config: ZeroConfig, device: torch.device) -> str:
     if backend == "nccl" and offload:
         return "cpu:gloo,cuda:nccl"
     return backend
+
+
+def attempt_store(timeout: timedelta | None) -> dist.Store | None:
+    """Under torchrun, the agent's store with a key prefix per restart attempt; None elsewhere.
+
+    torchrun ``--max-restarts`` keeps its agent's store across attempts, and (torch 2.13)
+    the default process group of a restarted attempt reads the rendezvous keys the failed
+    attempt left there: gloo then connects to the dead workers' addresses and every restart
+    fails with "Gloo connectFullMesh failed ... Connection refused". A prefix per attempt
+    (``TORCHELASTIC_RESTART_COUNT``) gives each attempt clean keys.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or attempt is None:
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timeout or default_pg_timeout)
+    return dist.PrefixStore(f"zeropp/attempt_{attempt}", store)
 
 
 def check_offload_paths(config: ZeroConfig) -> None:
