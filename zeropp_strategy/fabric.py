@@ -43,7 +43,13 @@ from torch.optim import Optimizer
 from zeropp_strategy._process import ProcessMixin
 from zeropp_strategy.checkpoint.objects import load_objects, save_objects, split_state, stateful
 from zeropp_strategy.config import ZeroConfig
-from zeropp_strategy.engine.core import ZeroEngine, check_nonfinite, check_nonfinite_policy, close_offload
+from zeropp_strategy.engine.core import (
+    ZeroEngine,
+    check_nonfinite,
+    check_nonfinite_policy,
+    close_offload,
+    named_parameters,
+)
 from zeropp_strategy.engine.core import unwrap as _unwrap
 from zeropp_strategy.engine.fsdp import fsdp_modules, has_meta
 from zeropp_strategy.precision import ZeroPPPrecision, clip_grad_norm, clip_grad_value
@@ -199,9 +205,7 @@ class ZeroPPFabricStrategy(ProcessMixin, ParallelStrategy):
         step = self._steps
         self._steps += 1
         if self.on_nonfinite != "ignore" and getattr(self.precision, "scaler", None) is None:
-            named = [(f"{i}.{n}" if len(self._modules) > 1 else n, p)
-                     for i, m in enumerate(self._modules) for n, p in m.named_parameters()]
-            if check_nonfinite(named, self._last_loss, policy=self.on_nonfinite, step=step,
+            if check_nonfinite(named_parameters(self._modules), self._last_loss, policy=self.on_nonfinite, step=step,
                                where="ZeroPPFabricStrategy", device=self.root_device):
                 self.skipped_steps += 1
         return super().optimizer_step(optimizer, **kwargs)
@@ -288,14 +292,13 @@ class ZeroPPFabricStrategy(ProcessMixin, ParallelStrategy):
                 state[key] = rest.pop(key)
         return rest
 
-    # -- teardown and registry ------------------------------------------------------------
+    # -- teardown ------------------------------------------------------------------------
 
     def teardown(self) -> None:
         for opt in self._optimizers:
             close_offload(opt)
         self._optimizers, self._modules = [], []
         super().teardown()
-
 
 
 class _ZeroNoSync(_BackwardSyncControl):

@@ -117,16 +117,14 @@ class _ResumingLauncher(_SubprocessScriptLauncher):
     ``trainer.fit``'s ``ckpt_path`` when the caller gave none (the launcher is the one
     place a strategy sees that argument before the checkpoint is restored)."""
 
-    def __init__(self, strategy: ZeroPPStrategy, *args: Any) -> None:
-        super().__init__(*args)
-        self._strategy = strategy
-
     def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        if trainer is not None and self._strategy.resume is not None and getattr(function, "__name__", "") == "_fit_impl":
+        strategy = getattr(trainer, "strategy", None)
+        if isinstance(strategy, ZeroPPStrategy) and strategy.resume is not None \
+                and getattr(function, "__name__", "") == "_fit_impl":
             bound = inspect.signature(function).bind(*args, **kwargs)
             if bound.arguments.get("ckpt_path") is None:
-                bound.arguments["ckpt_path"] = choice = self._strategy.resume_path(trainer)
-                self._strategy._resume_choice = [choice]
+                bound.arguments["ckpt_path"] = choice = strategy.resume_path(trainer)
+                strategy._resume_choice = [choice]
             args, kwargs = bound.args, bound.kwargs
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
@@ -159,7 +157,7 @@ class ZeroPPStrategy(ProcessMixin, ParallelStrategy):
     """
 
     strategy_name = "zeropp"
-    _launcher_cls = _SubprocessScriptLauncher
+    _launcher_cls = _ResumingLauncher
     _registry_label = ""
 
     def __init__(
@@ -286,7 +284,7 @@ class ZeroPPStrategy(ProcessMixin, ParallelStrategy):
         # Always (as Lightning's DDP does): the launcher only starts processes when nobody
         # else did, and it is where fit's ckpt_path is seen (resume="auto").
         assert self.cluster_environment is not None
-        self._launcher = _ResumingLauncher(self, self.cluster_environment, self.num_processes, self.num_nodes)
+        self._launcher = self._launcher_cls(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def resume_path(self, trainer: Any) -> str | None:
         """The checkpoint ``resume`` picks for ``trainer`` now (newest complete one), or None.
@@ -325,8 +323,9 @@ class ZeroPPStrategy(ProcessMixin, ParallelStrategy):
         torch.distributed.all_gather_object(everyone, mine)
         if any(c != everyone[0] for c in everyone):
             shown = "; ".join(f"rank {r}: {c}" for r, c in enumerate(everyone))
-            raise ValueError(f"ZeroPPStrategy(resume=...) chose different checkpoints on different ranks ({shown}). Fix: keep the checkpoint directory on a file system every node "
-                             "sees the same way, or pass ckpt_path explicitly.")
+            raise ValueError(f"ZeroPPStrategy(resume=...) chose different checkpoints on different ranks ({shown}). "
+                             "Fix: keep the checkpoint directory on a file system every node sees the same way, or "
+                             "pass ckpt_path explicitly.")
 
     def setup_environment(self) -> None:
         super().setup_environment()
@@ -440,7 +439,7 @@ class ZeroPPStrategy(ProcessMixin, ParallelStrategy):
     # -- uneven evaluation inputs: see [Note: uneven evaluation] ---------------------------
 
     def process_dataloader(self, dataloader: Any) -> Any:
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        trainer = self.lightning_module._trainer if self.lightning_module is not None else None
         if (self.stage == 3 and self.world_size > 1 and trainer is not None
                 and (trainer.sanity_checking or trainer.validating or trainer.testing)):
             device = self.root_device if self.process_group_backend == "nccl" else None
@@ -448,7 +447,7 @@ class ZeroPPStrategy(ProcessMixin, ParallelStrategy):
         return dataloader
 
     def _evaluation_step(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        trainer = self.lightning_module._trainer if self.lightning_module is not None else None
         loop = trainer._evaluation_loop if trainer is not None else None
         combined = getattr(loop, "_combined_loader", None)
         if combined is None:
@@ -673,7 +672,7 @@ class ZeroPPStrategy(ProcessMixin, ParallelStrategy):
         if self.is_global_zero:
             remove_path(Path(filepath))
 
-    # -- teardown and registry ----------------------------------------------------------
+    # -- teardown ------------------------------------------------------------------------
 
     def on_exception(self, exception: BaseException) -> None:
         # A collective that failed because another rank died: name that rank (waits at

@@ -49,6 +49,7 @@ from zeropp_strategy.engine.core import (
     check_offload_paths,
     close_offload,
     default_backend,
+    named_parameters,
 )
 from zeropp_strategy.engine.core import unwrap as _unwrap
 from zeropp_strategy.engine.fsdp import fsdp_modules
@@ -141,9 +142,7 @@ class _CheckedOptimizer(AcceleratedOptimizer):
             step = acc._optimizer_steps
             acc._optimizer_steps += 1
             if acc.on_nonfinite != "ignore" and self.scaler is None:
-                named = [(f"{i}.{n}" if len(acc._models) > 1 else n, p)
-                         for i, m in enumerate(acc._models) for n, p in _unwrap(m).named_parameters()]
-                if check_nonfinite(named, acc._last_loss, policy=acc.on_nonfinite, step=step,
+                if check_nonfinite(named_parameters(acc._models), acc._last_loss, policy=acc.on_nonfinite, step=step,
                                    where="ZeroPPAccelerator", device=acc.device):
                     acc.skipped_steps += 1
         return super().step(closure)

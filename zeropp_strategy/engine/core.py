@@ -499,6 +499,13 @@ def check_nonfinite_policy(value: Any, where: str) -> str:
     return value
 
 
+def named_parameters(modules: list[nn.Module]) -> list[tuple[str, torch.Tensor]]:
+    """The parameters of ``modules`` (wrappers removed) by name, prefixed with the module's
+    index when there are several: what ``check_nonfinite`` reports."""
+    return [(f"{i}.{n}" if len(modules) > 1 else n, p)
+            for i, m in enumerate(modules) for n, p in unwrap(m).named_parameters()]
+
+
 @torch.no_grad()
 def check_nonfinite(named_params: list[tuple[str, torch.Tensor]], loss: Any, *, policy: str, step: int,
                     where: str, device: torch.device | None = None) -> bool:
