@@ -10,9 +10,14 @@ Every system trains the same transformers GPT-2 (4 layers, width 256, 4 heads, v
 seq 128, dropout off by default; ``--size large`` is 12 x 768), from the same seed, on the same data
 (the text shipped with the package, byte-level, folded into the vocab) in the same order
 (rank r reads samples r, r + W, ...; shuffle off), micro-batch ``--batch`` per rank,
-AdamW (lr 5e-4, weight decay 0.01), fp32 on CPU. Systems:
+AdamW (lr 5e-4, weight decay 0.01), on CPU in ``--precision`` (default ``bf16-mixed``, as
+users train; ``32-true`` for the fp32 table). Under bf16-mixed DeepSpeed runs its ``bf16``
+mode, which reduces gradients in bf16 (its default ``communication_data_type``).
+Systems:
 
     zeropp_stage_1/2/3, qwZ, hpZ, qgZ, zeropp   ours (ZeroPPStrategy), Lightning Trainer
+    zeropp_stage_3_bf16                         ours, stage 3 with reduce_dtype="bf16": the
+                                                like-for-like peer of DeepSpeed's bf16 reduce
     ddp                                         Lightning's DDPStrategy
     fsdp2                                       Lightning's ModelParallelStrategy with
                                                 fully_shard per GPT2Block + root (plain FSDP2)
@@ -52,6 +57,7 @@ OURS = {
     "zeropp_stage_1": {"stage": 1},
     "zeropp_stage_2": {"stage": 2},
     "zeropp_stage_3": {"stage": 3},
+    "zeropp_stage_3_bf16": {"stage": 3, "reduce_dtype": "bf16"},
     "qwZ": {"stage": 3, "quantized_weights": True},
     "hpZ": {"stage": 3, "hpz_partition_size": 0},
     "qgZ": {"stage": 3, "quantized_gradients": True},
@@ -197,6 +203,7 @@ def run_lightning(args: argparse.Namespace, meter: Meter) -> None:
     seed_everything(0)
     trainer = Trainer(
         accelerator="cpu", devices=per_node, num_nodes=nodes, strategy=strategy, max_steps=args.steps,
+        precision=args.precision,
         callbacks=[Record()], logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, use_distributed_sampler=False,
     )
@@ -222,6 +229,8 @@ def run_deepspeed(args: argparse.Namespace, meter: Meter) -> None:
         "zero_allow_untested_optimizer": True,
         "zero_force_ds_cpu_optimizer": False,
     }
+    if args.precision == "bf16-mixed":
+        config["bf16"] = {"enabled": True}
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     for step, (ids,) in enumerate(loader(args.batch)):
@@ -240,6 +249,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=14)
     parser.add_argument("--warmup", type=int, default=4, help="steps left out of the step-time median")
     parser.add_argument("--batch", type=int, default=2, help="micro-batch per rank (sequences of 128)")
+    parser.add_argument("--precision", choices=["bf16-mixed", "32-true"], default="bf16-mixed")
     parser.add_argument("--simulated-nodes", type=int, default=0, help="ours only: split one machine's ranks")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -263,6 +273,7 @@ def main() -> None:
     result.update(
         system=args.system,
         size=args.size,
+        precision=args.precision,
         world_size=len(per_rank),
         peak_rss_bytes_per_rank=[r for r, _ in per_rank],
         ledger_inter_bytes_per_step_by_kind={k: sum(p[1][k] for p in per_rank) for k in kinds},

@@ -81,9 +81,11 @@ def run_cell(cluster, system: str, args: argparse.Namespace) -> dict:  # noqa: A
         cell_json = Path(tmp) / "cell.json"
         cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_train.py"), "--system", system,
                "--size", args.size, "--steps", str(args.steps), "--warmup", str(args.warmup),
-               "--batch", str(args.batch), "--out", str(cell_json)]
+               "--batch", str(args.batch), "--precision", args.precision, "--out", str(cell_json)]
+        # PYTHONPATH first: --package-root runs another checkout's zeropp_strategy (a "before").
+        package_root = getattr(args, "package_root", None) or ROOT
         res = cluster.run(cmd, nproc_per_node=args.nproc_per_node, timeout_s=args.cell_timeout_s,
-                          env={"PYTHONPATH": str(ROOT)})
+                          env={"PYTHONPATH": f"{package_root}:{ROOT}"})
         if all(rc == 0 for rc in res.returncodes) and cell_json.exists():
             cell = json.loads(cell_json.read_text())
         else:
@@ -366,6 +368,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--precision", choices=["bf16-mixed", "32-true"], default="bf16-mixed",
+                        help="bf16-mixed, as users train; 32-true for the fp32 table")
     parser.add_argument("--repeat", type=int, default=1, help="runs per cell; step time = median of them")
     parser.add_argument("--cell-timeout-s", type=int, default=600)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "suite.json")

@@ -42,6 +42,8 @@ VARIANTS = {
     "hpZ": {"hpz_partition_size": 0},
     "qgZ": {"quantized_gradients": True},
     "zeropp": {"quantized_weights": True, "hpz_partition_size": 0, "quantized_gradients": True},
+    # Gradients reduced in bf16 (ZeroConfig.reduce_dtype), DeepSpeed's default under bf16.
+    "reduce_bf16": {"reduce_dtype": "bf16"},
     # Ablations of the quantization settings (not in the default run).
     "qgZ_int8": {"quantized_gradients": True, "gradient_quant_bits": 8},
     "qgZ_b64": {"quantized_gradients": True, "gradient_quant_block_elems": 64},

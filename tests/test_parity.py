@@ -98,10 +98,18 @@ def test_parameters_equal_ddp(results):
 
 
 def test_stage1_is_bit_exact(results):
-    _, per_rank = results
+    """Stage 1 reduce-scatters into the rows each rank owns ([Note: stage-1 partitioned
+    reduce]); every summand is DDP's. On 2 ranks a sum of two commutes, so the gradients are
+    DDP's bit for bit; on 4 our all-to-all sums in rank order where gloo's ring sums in ring
+    order (last-bit differences, within TOL: test_parameters_equal_ddp). Norm clipping sums
+    the global norm from each rank's rows (one scalar all-reduce) rather than from whole
+    gradients, which also rounds differently in the last bit."""
+    world, per_rank = results
+    if world != 2:
+        pytest.skip("bit-exact only where the summation order is DDP's (2 ranks)")
     for out in per_rank:
         for (vname, stage), diff in out["diff"].items():
-            if stage == "zeropp_stage_1":
+            if stage == "zeropp_stage_1" and vname != "clip_norm":
                 assert diff == 0.0, (vname, diff)
 
 
@@ -159,8 +167,9 @@ def test_memory_matches_stage_formula(results):
 
 def test_stage3_bytes_fall_with_ranks_and_ledger_splits_nodes():
     """Stage-3 per-rank bytes at 4 ranks are about half those at 2 ranks; with 4 ranks as
-    2 simulated nodes x 2, every gather/reduce-scatter sends to 1 intra-node peer and 2
-    inter-node peers, so the ledger's inter-node bytes are exactly twice the intra."""
+    2 simulated nodes x 2, every gather/reduce-scatter goes in two hops ([Note: two-hop
+    collectives]): one chunk to the one rank across, two chunks (one per node) to the one
+    node peer, so the ledger's intra-node bytes are exactly twice the inter."""
     two = run_ranks(_stage3_small, 2, (0,), timeout_s=300)[0]
     four = run_ranks(_stage3_small, 4, (2,), timeout_s=300)
     ratio = four[0]["memory"]["total_bytes"] / two["memory"]["total_bytes"]
@@ -168,11 +177,14 @@ def test_stage3_bytes_fall_with_ranks_and_ledger_splits_nodes():
     for rank, r in enumerate(four):
         for kind in ("param_allgather_fwd", "param_allgather_bwd", "grad_reduce"):
             k = r["comm"]["by_kind"][kind]
-            assert k["intra_bytes"] > 0 and k["inter_bytes"] == 2 * k["intra_bytes"], (rank, kind, k)
+            # grad_reduce also holds the small all-reduce of the 0-dim gradients (8 bytes each
+            # per step, booked to every peer alike).
+            slack = 64 if kind == "grad_reduce" else 0
+            assert k["inter_bytes"] > 0 and abs(k["intra_bytes"] - 2 * k["inter_bytes"]) <= slack, (rank, kind, k)
         assert r["node"] == rank // 2
         # Backward re-gathers the 3 blocks each step, never the root group (it is kept
-        # from forward: see [Note: why a separate root]).
-        assert r["comm"]["by_kind"]["param_allgather_bwd"]["calls"] == 3 * 2, r["comm"]["by_kind"]
+        # from forward: see [Note: why a separate root]); each gather is booked per hop.
+        assert r["comm"]["by_kind"]["param_allgather_bwd"]["calls"] == 2 * 3 * 2, r["comm"]["by_kind"]
 
 
 def _stage3_small(rank: int, world: int, simulated_nodes: int) -> dict:

@@ -42,6 +42,12 @@ class ZeroConfigWarning(UserWarning):
 # -- checking helpers: every user error goes through _invalid, so all share one form ----------
 
 
+REDUCE_DTYPE_NAMES = ("fp32", "bf16", "fp16")
+"""``ZeroConfig.reduce_dtype`` values; the engine maps them to torch dtypes."""
+_DS_COMM_DTYPES = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16",
+                   "float16": "fp16", "half": "fp16"}
+
+
 def _invalid(where: str, value: object, why: str, fix: str, exc: type[Exception] = ValueError) -> NoReturn:
     end = "" if fix.endswith((".", "?")) else "."
     raise exc(f"{where}={value!r} is invalid: {why}. Fix: {fix}{end}")
@@ -236,6 +242,12 @@ class ZeroConfig:
     convolutions) run in 16 bits, so the numbers equal DDP with autocast. None = True under
     Lightning and Fabric, False under ``ZeroPPAccelerator`` (Accelerate's own mixed precision
     is autocast over fp32 weights). No effect in fp32 or "-true" precision."""
+    reduce_dtype: str | None = None
+    """dtype of the gradient reduce on the wire: "fp32", "bf16" or "fp16"; None = the precision's
+    own (fp32 under "-mixed" and "32-true", the parameters' dtype under "-true"). "bf16" halves the
+    reduce's bytes against fp32 (DeepSpeed's ``communication_data_type``, which it maps from); on
+    gloo our sums still run in fp32, each element rounded to the wire dtype once per hop
+    (docs/stages.md, "Reduce dtype", has the measured loss curves). All stages."""
     simulated_nodes: int = 0
     """0 = real topology; N > 0 splits one machine's ranks into N simulated nodes, so hierarchical
     (inter-node) collectives run for real in tests and benchmarks."""
@@ -257,6 +269,10 @@ class ZeroConfig:
         if self.gather_16bit is not None:
             _bool(f"{w}.gather_16bit", self.gather_16bit,
                   "use gather_16bit=True (16-bit gathers), False (fp32 gathers) or None (the front-end's default)")
+        if self.reduce_dtype is not None and self.reduce_dtype not in REDUCE_DTYPE_NAMES:
+            _invalid(f"{w}.reduce_dtype", self.reduce_dtype, f"must be one of {', '.join(REDUCE_DTYPE_NAMES)} or None",
+                     "use reduce_dtype='fp32' (exact sums), 'bf16' (half the bytes, as DeepSpeed) or None (the "
+                     "precision's own)")
         for name, (low, fix) in _INT_MINIMUMS.items():
             put(name, _at_least(f"{w}.{name}", getattr(self, name), low, fix))
         for name in ("weight_quant_block_elems", "gradient_quant_block_elems"):
@@ -543,7 +559,7 @@ def _from_deepspeed(cls: type[ZeroConfig], d: Mapping[str, Any], source: str, *,
     elem_bytes = 2 if half else 4  # [Note: DeepSpeed sizes]
     kwargs: dict[str, Any] = {}
     origin: dict[str, str] = {}  # ZeroConfig field (dotted) -> DeepSpeed key, for error messages
-    ignored: list[str] = [k for k in d if k != "zero_optimization"]
+    ignored: list[str] = [k for k in d if k not in ("zero_optimization", "communication_data_type")]
 
     def take(table: dict[str, tuple[str, str]], block: Mapping[str, Any], prefix: str, out: dict[str, Any]) -> None:
         for key, value in block.items():
@@ -571,6 +587,13 @@ def _from_deepspeed(cls: type[ZeroConfig], d: Mapping[str, Any], source: str, *,
             kwargs[key] = sub
     if any(zero.get(k) in _TRUE for k in _DS_SAVE_KEYS):
         kwargs["state_dict_type"] = "full"
+    comm_dtype = d.get("communication_data_type")
+    if comm_dtype is not None and comm_dtype != "auto":
+        if str(comm_dtype).lower() not in _DS_COMM_DTYPES:
+            _invalid(f"ZeroConfig.from_deepspeed: {source}: communication_data_type", comm_dtype,
+                     f"must be one of {', '.join(sorted(_DS_COMM_DTYPES))}", 'write "bf16", "fp16" or "fp32"')
+        kwargs["reduce_dtype"] = _DS_COMM_DTYPES[str(comm_dtype).lower()]
+        origin["reduce_dtype"] = "communication_data_type"
 
     try:
         cfg = cls(**kwargs)

@@ -49,12 +49,12 @@ _HALF = {"bf16": torch.bfloat16, "16": torch.float16}
 def local_grads(optimizer: Optimizer) -> list[Tensor]:
     """Gradients this rank owns for ``optimizer``, as plain tensors.
 
-    Stage 1: the full (all-reduced, identical on every rank) gradients. Stage 2/3: the
-    local shards of FSDP2's DTensor gradients.
+    Stage 1: the rows this rank owns, the only reduced ones ([Note: stage-1 partitioned
+    reduce]). Stage 2/3: the local shards of FSDP2's DTensor gradients.
     """
     inner = getattr(optimizer, "_optimizer", optimizer)
     if isinstance(inner, ShardedOptimizer):
-        return [p.grad for p in inner.full_params if p.grad is not None]
+        return [_local(g) for g in inner.sharded_grads()]
     return [_local(p.grad) for g in inner.param_groups for p in g["params"] if p.grad is not None]
 
 
@@ -84,16 +84,18 @@ def clip_grad_norm(
 ) -> Tensor:
     """Clip by the global norm over every rank's shard; returns the total norm.
 
-    Stage 1 gradients are replicated, so the norm is computed locally exactly as DDP
-    computes it. Stage 2/3: see ``clip_grad_norm_params``.
+    Stage 1: over the rows each rank owns (its shard DTensors, bound to the reduced rows by
+    ``sharded_grads``). Stage 2/3: the sharded parameters. Either way see
+    ``clip_grad_norm_params``. Unsharded (plain) parameters: ``clip_grad_norm_``.
     """
     inner = getattr(optimizer, "_optimizer", optimizer)
-    if isinstance(inner, ShardedOptimizer) or not _is_sharded(optimizer):
-        params = inner.full_params if isinstance(inner, ShardedOptimizer) else [
-            p for g in inner.param_groups for p in g["params"]
-        ]
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+    if isinstance(inner, ShardedOptimizer):
+        inner.sharded_grads()  # binds each shard's grad to its reduced rows
+        params = [p for g in inner.param_groups for p in g["params"]]
+        return clip_grad_norm_params(params, max_norm, group=group, norm_type=norm_type, ledger=ledger)
     params = [p for g in inner.param_groups for p in g["params"]]
+    if not _is_sharded(optimizer):
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
     return clip_grad_norm_params(params, max_norm, group=group, norm_type=norm_type, ledger=ledger)
 
 
@@ -112,8 +114,10 @@ def clip_grad_norm_params(
     grads = [p.grad for p in params if p.grad is not None]
     if not any(isinstance(g, DTensor) for g in grads):
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
-    sharded = [g.to_local() for g in grads if isinstance(g, DTensor)]
-    replicated = [g for g in grads if not isinstance(g, DTensor)]
+    # A Replicate DTensor (stage 1's 0-dim parameters) holds the whole gradient on every
+    # rank: counted once, like a plain tensor, not summed over the ranks.
+    sharded = [g.to_local() for g in grads if isinstance(g, DTensor) and any(pl.is_shard() for pl in g.placements)]
+    replicated = [_local(g) for g in grads if not (isinstance(g, DTensor) and any(pl.is_shard() for pl in g.placements))]
     device = grads[0].device if grads else torch.device("cpu")
     if norm_type == float("inf"):
         def amax(ts: list[Tensor]) -> Tensor:
@@ -206,14 +210,16 @@ class ZeroPPPrecision(Precision):
     def is_mixed(self) -> bool:
         return self.precision.endswith("-mixed")
 
-    def mp_policy(self, gather_16bit: bool = True) -> Any:
+    def mp_policy(self, gather_16bit: bool = True, reduce_dtype: torch.dtype | None = None) -> Any:
         """FSDP2 mixed-precision policy for stage 2/3: 16-bit gathers (unless ``gather_16bit`` is
-        False: fp32 gathers, autocast alone lowers the compute), fp32 reduce."""
+        False: fp32 gathers, autocast alone lowers the compute); gradients reduced in
+        ``reduce_dtype`` (``ZeroConfig.reduce_dtype``; None: fp32 under mixed precision, the
+        parameters' dtype otherwise)."""
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         if self.is_mixed and gather_16bit:
-            return MixedPrecisionPolicy(param_dtype=self.half_dtype, reduce_dtype=torch.float32)
-        return MixedPrecisionPolicy()
+            return MixedPrecisionPolicy(param_dtype=self.half_dtype, reduce_dtype=reduce_dtype or torch.float32)
+        return MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         if self.precision.endswith("-true") and self.half_dtype is not None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from zeropp_strategy.comm.hierarchical import NodeGroups, all_gather, native_all_gather, reduce_scatter
 from zeropp_strategy.comm.ledger import CommKind, CommLedger, Phase
 
 try:  # the comm ABCs are public API but only exported from the private module
@@ -44,40 +45,6 @@ _ReduceOp = dist.ReduceOp | dist.ReduceOp.RedOpType
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
-
-
-# -- compat shims -----------------------------------------------------------------------
-# torch 2.13 deprecates the *_tensor names in favour of *_single (same semantics); older
-# torch (our minimum is 2.9) only has *_tensor. Pick once, at import, so no call warns.
-_ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None)
-_REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None)
-
-
-def _all_gather_flat(
-    output: torch.Tensor,
-    input: torch.Tensor,  # noqa: A002 - torch's own parameter name
-    group: dist.ProcessGroup | None,
-    async_op: bool,
-) -> dist.Work | None:
-    """Concatenate every rank's ``input`` into ``output`` (group-rank order)."""
-    if _ALL_GATHER_SINGLE is not None:
-        return _ALL_GATHER_SINGLE(output, input, group=group, async_op=async_op)
-    return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
-
-
-def _reduce_scatter_flat(
-    output: torch.Tensor,
-    input: torch.Tensor,  # noqa: A002
-    group: dist.ProcessGroup | None,
-    op: _ReduceOp,
-    async_op: bool,
-) -> dist.Work | None:
-    """Reduce ``input`` over the group; group rank i keeps chunk i in ``output``."""
-    if _REDUCE_SCATTER_SINGLE is not None:
-        return _REDUCE_SCATTER_SINGLE(
-            output=output, input=input, group=group, op=op, async_op=async_op
-        )
-    return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
 
 
 # -- group ranks ------------------------------------------------------------------------
@@ -124,11 +91,13 @@ class LedgerAllGather(EmptyAlloc, AllGather):
     """FSDP2's parameter all-gather, booked as forward or backward by the ledger's phase.
 
     Bytes per rank: ``input_tensor`` bytes (this rank's flat shard, FSDP's padding
-    included, since it is really sent) to every other rank of ``group``.
+    included, since it is really sent) to every other rank of ``group``, in two hops when
+    the group spans nodes ([Note: two-hop collectives] in hierarchical.py).
     """
 
-    def __init__(self, ledger: CommLedger) -> None:
+    def __init__(self, ledger: CommLedger, nodes: NodeGroups | None = None) -> None:
         self.ledger = ledger
+        self.nodes = nodes
 
     def __call__(
         self,
@@ -137,19 +106,21 @@ class LedgerAllGather(EmptyAlloc, AllGather):
         group: dist.ProcessGroup,
         async_op: bool = False,
     ) -> dist.Work | None:
-        self.ledger.record_all_gather(param_gather_kind(self.ledger), tensor_bytes(input_tensor), group_ranks(group))
-        return _all_gather_flat(output_tensor, input_tensor, group, async_op)
+        return all_gather(output_tensor, input_tensor, group=group, ranks=group_ranks(group), ledger=self.ledger,
+                          kind=param_gather_kind(self.ledger), nodes=self.nodes, async_op=async_op)
 
 
 class LedgerReduceScatter(EmptyAlloc, ReduceScatter):
     """FSDP2's gradient reduce-scatter, booked as ``GRAD_REDUCE``; ``op`` passes through.
 
     Bytes per rank: ``output_tensor`` bytes (one chunk of the flat gradient, padding
-    included) to every other rank of ``group``.
+    included) to every other rank of ``group``; on gloo by all-to-all plus a local sum,
+    in two hops when the group spans nodes ([Note: two-hop collectives]).
     """
 
-    def __init__(self, ledger: CommLedger) -> None:
+    def __init__(self, ledger: CommLedger, nodes: NodeGroups | None = None) -> None:
         self.ledger = ledger
+        self.nodes = nodes
 
     def __call__(
         self,
@@ -159,10 +130,8 @@ class LedgerReduceScatter(EmptyAlloc, ReduceScatter):
         op: _ReduceOp,
         async_op: bool = False,
     ) -> dist.Work | None:
-        self.ledger.record_reduce_scatter(
-            CommKind.GRAD_REDUCE, tensor_bytes(output_tensor), group_ranks(group)
-        )
-        return _reduce_scatter_flat(output_tensor, input_tensor, group, op, async_op)
+        return reduce_scatter(output_tensor, input_tensor, group=group, ranks=group_ranks(group), op=op,
+                              ledger=self.ledger, kind=CommKind.GRAD_REDUCE, nodes=self.nodes, async_op=async_op)
 
 
 # -- thin wrappers ----------------------------------------------------------------------
@@ -192,14 +161,19 @@ def all_gather_into(
     ledger: CommLedger,
     kind: CommKind,
     group: dist.ProcessGroup | None = None,
+    nodes: NodeGroups | None = None,
     async_op: bool = False,
 ) -> dist.Work | None:
     """Gather every rank's ``input`` into the flat ``output`` (``n * input.numel()``).
 
-    Bytes per rank: ``input`` bytes to every other rank of the group.
+    Bytes per rank: ``input`` bytes to every other rank of the group (two hops when the
+    group spans nodes and ``nodes`` is given).
     """
-    ledger.record_all_gather(kind, tensor_bytes(input), group_ranks(group))
-    return _all_gather_flat(output, input, group, async_op)
+    if group is None or nodes is None:
+        ledger.record_all_gather(kind, tensor_bytes(input), group_ranks(group))
+        return native_all_gather(output, input, group, async_op)
+    return all_gather(output, input, group=group, ranks=group_ranks(group), ledger=ledger, kind=kind,
+                      nodes=nodes, async_op=async_op)
 
 
 def broadcast(

@@ -37,12 +37,11 @@ from zeropp_strategy.comm.collectives import (
     AllGather,
     EmptyAlloc,
     ReduceScatter,
-    _all_gather_flat,
-    _reduce_scatter_flat,
     group_ranks,
     param_gather_kind,
     tensor_bytes,
 )
+from zeropp_strategy.comm.hierarchical import NodeGroups, all_gather, reduce_scatter
 from zeropp_strategy.comm.ledger import CommKind, CommLedger
 from zeropp_strategy.kernels import (
     dequant_reduce_quantize,
@@ -65,13 +64,20 @@ def _unpack(payload: torch.Tensor, code_bytes: int, code_dtype: torch.dtype) -> 
 
 
 class QuantizedAllGather(EmptyAlloc, AllGather):
-    """qwZ: FSDP2 parameter all-gather in block int8 (see [Note: qwZ])."""
+    """qwZ: FSDP2 parameter all-gather in block int8 (see [Note: qwZ]).
 
-    def __init__(self, ledger: CommLedger, topology: Topology, *, block_elems: int, min_elems: int) -> None:
+    Asynchronous like FSDP2's own gather: with ``async_op`` the payload's gather is in
+    flight when the call returns, and the returned work's ``wait()`` dequantizes every
+    rank's part into ``output_tensor`` ([Note: pending work] in hierarchical.py).
+    """
+
+    def __init__(self, ledger: CommLedger, topology: Topology, *, block_elems: int, min_elems: int,
+                 nodes: NodeGroups | None = None) -> None:
         self.ledger = ledger
         self.topology = topology
         self.block_elems = block_elems
         self.min_elems = min_elems
+        self.nodes = nodes
 
     def __call__(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
@@ -81,22 +87,23 @@ class QuantizedAllGather(EmptyAlloc, AllGather):
         spans_nodes = len({self.topology.node_of(r) for r in ranks}) > 1
         n = input_tensor.numel()
         if not spans_nodes or n < self.min_elems or not input_tensor.is_floating_point():
-            self.ledger.record_all_gather(kind, tensor_bytes(input_tensor), ranks)
-            return _all_gather_flat(output_tensor, input_tensor, group, async_op)
+            return all_gather(output_tensor, input_tensor, group=group, ranks=ranks, ledger=self.ledger, kind=kind,
+                              nodes=self.nodes, async_op=async_op)
         codes, scales = quantize(input_tensor, self.block_elems, 8)
         payload = _pack(codes, scales)
         world = len(ranks)
         gathered = torch.empty(world * payload.numel(), dtype=torch.uint8, device=payload.device)
-        self.ledger.record_all_gather(kind, payload.numel(), ranks, baseline_shard_bytes=tensor_bytes(input_tensor))
-        # Synchronous: the dequantization below needs the payload (FSDP2 accepts None).
-        _all_gather_flat(gathered, payload, group, False)
-        # Dequantize every part, this rank's own too: all ranks must compute with the
-        # same weights.
-        parts = gathered.view(world, payload.numel())
-        for r in range(world):
-            c, s = _unpack(parts[r], codes.numel(), torch.int8)
-            output_tensor[r * n : (r + 1) * n].copy_(dequantize(c, s, self.block_elems, n, 8, output_tensor.dtype))
-        return None
+
+        def dequantize_all() -> None:
+            # Every part, this rank's own too: all ranks must compute with the same weights.
+            parts = gathered.view(world, payload.numel())
+            for r in range(world):
+                c, s = _unpack(parts[r], codes.numel(), torch.int8)
+                output_tensor[r * n : (r + 1) * n].copy_(dequantize(c, s, self.block_elems, n, 8, output_tensor.dtype))
+
+        return all_gather(gathered, payload, group=group, ranks=ranks, ledger=self.ledger, kind=kind,
+                          nodes=self.nodes, async_op=async_op, baseline_bytes=tensor_bytes(input_tensor),
+                          then=dequantize_all)
 
 
 class HierarchicalQuantReduceScatter(EmptyAlloc, ReduceScatter):
@@ -113,6 +120,7 @@ class HierarchicalQuantReduceScatter(EmptyAlloc, ReduceScatter):
         block_elems: int,
         min_elems: int,
         on_single_node: bool,
+        nodes: NodeGroups | None = None,
     ) -> None:
         self.ledger = ledger
         self.topology = topology
@@ -122,10 +130,11 @@ class HierarchicalQuantReduceScatter(EmptyAlloc, ReduceScatter):
         self.block_elems = block_elems
         self.min_elems = min_elems
         self.on_single_node = on_single_node
+        self.nodes = nodes  # for the plain fallback's two hops
 
     def _plain(self, output_tensor, input_tensor, group, op, async_op):  # noqa: ANN001
-        self.ledger.record_reduce_scatter(CommKind.GRAD_REDUCE, tensor_bytes(output_tensor), group_ranks(group))
-        return _reduce_scatter_flat(output_tensor, input_tensor, group, op, async_op)
+        return reduce_scatter(output_tensor, input_tensor, group=group, ranks=group_ranks(group), op=op,
+                              ledger=self.ledger, kind=CommKind.GRAD_REDUCE, nodes=self.nodes, async_op=async_op)
 
     def __call__(
         self,

@@ -34,12 +34,15 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from zeropp_strategy.comm.collectives import LedgerHookState, all_reduce, ledger_allreduce_hook
+from zeropp_strategy.comm.collectives import all_reduce
+from zeropp_strategy.comm.comm_thread import CommThread, ThreadGroups
+from zeropp_strategy.comm.hierarchical import NodeGroups
 from zeropp_strategy.comm.ledger import CommKind, CommLedger
 from zeropp_strategy.config import ZeroConfig
 from zeropp_strategy.engine.dtensor import local as _local
 from zeropp_strategy.engine.fsdp import fsdp_modules, materialize, replicated_params, shard_module
 from zeropp_strategy.engine.stage1 import ShardedOptimizer
+from zeropp_strategy.engine.stage1_reduce import PartitionedReduce, partitioned_reduce_hook
 from zeropp_strategy.engine.watchdog import PeerWatchdog
 from zeropp_strategy.precision import ZeroPPPrecision
 from zeropp_strategy.topology import Meshes, Topology
@@ -123,6 +126,11 @@ class ZeroEngine:
         self._params_after: dict[str, nn.Parameter] = {}  # "<module index>.<name>" -> param now
         self._prepared = 0
         self.watchdog: PeerWatchdog | None = None  # set by start; see [Note: peer watchdog]
+        self.nodes = NodeGroups(topology, intra_group=meshes.intra_group, inter_group=meshes.inter_group)
+        # Stage 1's gradient reduce runs on a thread with groups of its own ([Note: comm thread]);
+        # created by the first wrap_ddp, shared by every DDP model of this engine.
+        self._comm_thread: CommThread | None = None
+        self._thread_groups: ThreadGroups | None = None
 
     @classmethod
     def start(
@@ -193,7 +201,8 @@ class ZeroEngine:
 
             def quantized_gather() -> QuantizedAllGather:
                 return QuantizedAllGather(
-                    self.ledger, topo, block_elems=cfg.weight_quant_block_elems, min_elems=cfg.quantize_min_elems
+                    self.ledger, topo, block_elems=cfg.weight_quant_block_elems, min_elems=cfg.quantize_min_elems,
+                    nodes=self.nodes,
                 )
 
             all_gather = quantized_gather
@@ -215,14 +224,20 @@ class ZeroEngine:
                     block_elems=cfg.gradient_quant_block_elems,
                     min_elems=cfg.quantize_min_elems,
                     on_single_node=cfg.quantized_gradients_on_single_node,
+                    nodes=self.nodes,
                 )
 
             reduce_scatter = quantized_reduce_scatter
 
         return all_gather, reduce_scatter
 
+    def reduce_dtype(self) -> torch.dtype | None:
+        """The gradient reduce's dtype from ``ZeroConfig.reduce_dtype`` (None: the precision's own)."""
+        return REDUCE_DTYPES[self.config.reduce_dtype] if self.config.reduce_dtype is not None else None
+
     def wrap_ddp(self, module: nn.Module) -> DistributedDataParallel:
-        """Stage 1: DDP whose all-reduce the ledger books."""
+        """Stage 1: DDP whose gradient buckets are reduce-scattered by rows ([Note: stage-1
+        partitioned reduce]) and booked in the ledger."""
         device_ids = None if self.device.type == "cpu" else [self.device.index]
         # gradient_as_bucket_view: grads live in DDP's buckets instead of beside them
         # (saves g*P bytes per rank); ShardedOptimizer's shard grads are views of those.
@@ -236,7 +251,12 @@ class ZeroEngine:
         # DDP broadcast rank 0's parameters and buffers at construction: book it.
         state_bytes = sum(t.numel() * t.element_size() for t in module.state_dict().values())
         self.ledger.record_broadcast(CommKind.OTHER, state_bytes, 0, list(range(self.world_size)))
-        ddp.register_comm_hook(LedgerHookState(self.ledger, self.meshes.world.get_group()), ledger_allreduce_hook)
+        if self._thread_groups is None:  # collective: every rank wraps the same models in the same order
+            self._thread_groups = ThreadGroups.create(self.topology)
+            self._comm_thread = CommThread()
+        state = PartitionedReduce(self.ledger, self._thread_groups, rank=self.rank, world=self.world_size,
+                                  wire_dtype=self.reduce_dtype(), thread=self._comm_thread)
+        ddp.register_comm_hook(state, partitioned_reduce_hook)
         return ddp
 
     def shard(self, root: nn.Module) -> list[nn.Module]:
@@ -247,8 +267,10 @@ class ZeroEngine:
             self.config,
             mesh=self.meshes.world,
             ledger=self.ledger,
-            mp_policy=self.precision.mp_policy(gather_16bit=self.config.gather_16bit is not False),
+            mp_policy=self.precision.mp_policy(gather_16bit=self.config.gather_16bit is not False,
+                                               reduce_dtype=self.reduce_dtype()),
             device=self.device,
+            nodes=self.nodes,
             reshard_after_forward=self.reshard_after_forward(),
             all_gather=all_gather,
             reduce_scatter=reduce_scatter,
@@ -327,7 +349,8 @@ class ZeroEngine:
         """Stage 1's sharded state, then host offload, as the config asks. Idempotent."""
         if self.stage == 1 and not isinstance(optimizer, ShardedOptimizer):
             optimizer = ShardedOptimizer(
-                optimizer, self.meshes.world, self.ledger, allgather_bucket_bytes=self.config.allgather_bucket_bytes
+                optimizer, self.meshes.world, self.ledger, allgather_bucket_bytes=self.config.allgather_bucket_bytes,
+                nodes=self.nodes,
             )
         release = self._release_params
         if self.config.offload_optimizer.device != "none":
@@ -487,6 +510,8 @@ def agree(what: str, fn: Callable[[], Any], *, device: torch.device | None = Non
         raise RuntimeError(f"zeropp: {what} failed on rank {failed} (its error is in its log); stopping this rank too.")
     return result
 
+
+REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 NONFINITE_POLICIES = ("ignore", "raise", "skip")
 

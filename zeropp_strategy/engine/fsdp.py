@@ -8,7 +8,9 @@ Applied in this fixed order (torchtitan's rule: each step assumes the previous o
 4. ``fully_shard`` each block, bottom-up, then the root;
 5. install our comm objects on every FSDP group, so that the CommLedger sees every
    byte and ZeRO++ can replace the collectives;
-6. materialize meta-device parameters, now that they are sharded (each rank allocates
+6. prefetch: asynchronous gathers, each block's forward gathering the next block
+   ([Note: prefetch]);
+7. materialize meta-device parameters, now that they are sharded (each rank allocates
    and initializes only its shard).
 
 ``reshard_after_forward``: stage 2 keeps gathered parameters from forward to backward
@@ -29,6 +31,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from zeropp_strategy.comm.collectives import LedgerAllGather, LedgerReduceScatter
+from zeropp_strategy.comm.hierarchical import NodeGroups
 from zeropp_strategy.comm.ledger import CommLedger
 from zeropp_strategy.config import ZeroConfig
 from zeropp_strategy.engine.frozen import int8_weights, quantize_frozen
@@ -105,6 +108,7 @@ def shard_module(
     reshard_after_forward: bool | int | None = None,
     all_gather: Callable[[], object] | None = None,
     reduce_scatter: Callable[[], object] | None = None,
+    nodes: NodeGroups | None = None,
 ) -> list[nn.Module]:
     """Shard ``root`` in place for stage 2/3; returns the blocks that became groups."""
     if config.stage not in (2, 3):
@@ -150,11 +154,39 @@ def shard_module(
     # FSDP2's own advice is not to reshard the root after forward.
     fully_shard(root, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy, ignored_params=ignored,
                 offload_policy=offload)
-    install_comms(root, ledger, all_gather=all_gather, reduce_scatter=reduce_scatter)
+    install_comms(root, ledger, all_gather=all_gather, reduce_scatter=reduce_scatter, nodes=nodes)
+    set_prefetch(root, blocks)
     # Offloaded shards are initialized where they rest; buffers go to the device later.
     materialize(root, torch.device("cpu") if isinstance(offload, CPUOffloadPolicy) else device)
     log.info("zeropp: stage %d sharded %d blocks + root over %d ranks", config.stage, len(blocks), mesh.size())
     return blocks
+
+
+def set_prefetch(root: nn.Module, blocks: list[nn.Module]) -> None:
+    """Gather the next block while this one computes, in forward and in backward.
+
+    [Note: prefetch]
+    FSDP2 issues a block's all-gather from its pre-forward hook. On CUDA its own streams
+    overlap that gather with the previous block's compute; on the host there are no
+    streams, so by default every gather runs inline and nothing overlaps. With
+    ``async_op`` unshards (FSDP2's ``_set_unshard_async_op``) the comm object returns
+    a pending work ([Note: pending work] in comm/hierarchical.py) that FSDP2 waits on right
+    before the block needs its parameters, and gloo moves the bytes on its own threads
+    meanwhile. The explicit forward prefetch (the root prefetches the first block, block
+    k prefetches block k+1) puts the next gather in flight before this block computes;
+    in backward FSDP2 already prefetches the previous block (reverse post-forward order)
+    from each block's pre-backward hook. One block's parameters extra are gathered at a
+    time: the memory of FSDP2's default on CUDA. The reduce-scatter stays synchronous on
+    the host: FSDP2 reads its output right after the call (``foreach_reduce``).
+    """
+    groups = [b for b in blocks if isinstance(b, FSDPModule)]
+    if not groups or not isinstance(root, FSDPModule):
+        return
+    if hasattr(root, "_set_unshard_async_op"):  # private in torch 2.9-2.13; without it, gathers stay inline
+        root._set_unshard_async_op(True)
+    root.set_modules_to_forward_prefetch(groups[:1])
+    for block, following in zip(groups, groups[1:]):
+        block.set_modules_to_forward_prefetch([following])
 
 
 def offload_policy(config: ZeroConfig) -> OffloadPolicy:
@@ -180,11 +212,13 @@ def install_comms(
     *,
     all_gather: Callable[[], object] | None = None,
     reduce_scatter: Callable[[], object] | None = None,
+    nodes: NodeGroups | None = None,
 ) -> None:
-    """Give every FSDP group its own ledger-recording (or ZeRO++) comm objects."""
+    """Give every FSDP group its own ledger-recording (or ZeRO++) comm objects; the plain
+    ones go in two hops across nodes when ``nodes`` is given."""
     for m in fsdp_modules(root):
-        m.set_custom_all_gather(all_gather() if all_gather else LedgerAllGather(ledger))
-        m.set_custom_reduce_scatter(reduce_scatter() if reduce_scatter else LedgerReduceScatter(ledger))
+        m.set_custom_all_gather(all_gather() if all_gather else LedgerAllGather(ledger, nodes))
+        m.set_custom_reduce_scatter(reduce_scatter() if reduce_scatter else LedgerReduceScatter(ledger, nodes))
 
 
 def has_meta(module: nn.Module) -> bool:

@@ -1,10 +1,10 @@
-"""ZeRO stage 1: replicated parameters and gradients, partitioned optimizer state.
+"""Layer: engine. ZeRO stage 1: replicated parameters, partitioned optimizer state.
 
 [Note: stage-1 sharding by views]
-Every rank holds the full parameters (like DDP) and gets the full, averaged gradients
-from DDP's bucketed all-reduce. The optimizer state is what we partition: for each
-parameter ``p`` of shape (d0, ...), rank r owns rows ``[r*c, min(d0, (r+1)*c))`` with
-``c = ceil(d0 / N)`` (``torch.chunk`` semantics, so trailing ranks may own nothing).
+Every rank holds the full parameters (like DDP). The optimizer state is what we
+partition: for each parameter ``p`` of shape (d0, ...), rank r owns rows
+``[r*c, min(d0, (r+1)*c))`` with ``c = ceil(d0 / N)`` (``torch.chunk`` semantics, so
+trailing ranks may own nothing).
 
 The user's optimizer is kept (same object: LR schedulers and ``self.optimizers()`` keep
 working) but its ``param_groups`` are re-pointed from ``p`` to a DTensor ``Shard(0)``
@@ -21,7 +21,19 @@ After ``step()`` every rank all-gathers the rows it updated, bucketed to
 ``allgather_bucket_bytes``, so the replicated parameters agree again.
 
 0-dim parameters cannot be row-sharded; they are stepped redundantly on every rank
-(``Replicate``), which costs a few bytes and needs no communication.
+(``Replicate``), which costs a few bytes and needs no communication but their gradient's.
+
+[Note: stage-1 partitioned reduce]
+Gradients are not all-reduced: ``PartitionedReduce``, DDP's comm hook, reduce-scatters
+each bucket so that every rank receives the averaged gradient of the rows it owns, and
+the post-step all-gather sends the updated rows back. Per rank, with G gradient bytes:
+(N-1)/N G for the reduce-scatter plus (N-1)/N G for the gather, DDP's 2 (N-1)/N G for
+its all-reduce. So after backward, ``p.grad`` holds the averaged gradient only in this
+rank's rows (``row_range``); the other rows keep this rank's own, unreduced
+contribution. Everything we do with gradients reads this rank's rows (clipping sums
+their squares and all-reduces one scalar; the inf check of fp16 scaling all-reduces a
+flag); a user who needs a whole averaged gradient at stage 1 must gather it (or use
+``strategy="ddp"``). 0-dim parameters' gradients are all-reduced whole.
 """
 
 from __future__ import annotations
@@ -38,6 +50,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim import Optimizer
 
 from zeropp_strategy.comm.collectives import all_gather_into
+from zeropp_strategy.comm.hierarchical import NodeGroups
 from zeropp_strategy.comm.ledger import CommKind, CommLedger, Phase
 
 
@@ -103,6 +116,7 @@ class ShardedOptimizer(WrappingOptimizer):
         ledger: CommLedger,
         *,
         allgather_bucket_bytes: int,
+        nodes: NodeGroups | None = None,
     ) -> None:
         # Deliberately no Optimizer.__init__: we share the wrapped optimizer's
         # param_groups and state, so schedulers that mutate them act on both.
@@ -110,6 +124,7 @@ class ShardedOptimizer(WrappingOptimizer):
         self.mesh = mesh
         self.ledger = ledger
         self.allgather_bucket_bytes = allgather_bucket_bytes
+        self.nodes = nodes  # two-hop gathers across nodes ([Note: two-hop collectives])
         self._rank = mesh.get_local_rank()
         self._world = mesh.size()
         self._slots: list[_Slot] = []
@@ -248,7 +263,8 @@ class ShardedOptimizer(WrappingOptimizer):
             send[offset : offset + own.numel()].copy_(own)
             offset += n
         recv = torch.empty(per_rank * self._world, dtype=p0.dtype, device=p0.device)
-        all_gather_into(recv, send, ledger=self.ledger, kind=CommKind.PARAM_UPDATE, group=self.mesh.get_group())
+        all_gather_into(recv, send, ledger=self.ledger, kind=CommKind.PARAM_UPDATE, group=self.mesh.get_group(),
+                        nodes=self.nodes)
         recv = recv.view(self._world, per_rank)
         offset = 0
         for s, n in zip(slots, sizes):

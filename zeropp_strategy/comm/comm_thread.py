@@ -1,0 +1,93 @@
+"""Layer: comm. A worker thread that runs chains of collectives in submission order.
+
+[Note: comm thread]
+Some of our collectives are several steps (a two-hop reduce-scatter: all-to-all, local
+sum, all-to-all, local sum). DDP's comm hooks must return a future at once, and
+backward goes on computing the next buckets' gradients meanwhile; running such a chain
+inline would stall backward until the last hop. So a chain is submitted here and runs on
+one thread, in submission order; the hook returns the job's future.
+
+Two rules keep this deadlock-free:
+- the thread uses process groups of its own (``ThreadGroups``, created collectively at
+  start): gloo requires that every rank issues the collectives of one group in the same
+  order, which two threads sharing a group could not promise;
+- jobs are submitted in the same order on every rank (DDP launches buckets in a fixed
+  order), and one thread runs them in that order.
+
+An exception in a job fails its future; DDP raises it from backward on this rank, and the
+peers' matching collectives fail with the broken connection.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zeropp_strategy.comm.hierarchical import NodeGroups
+from zeropp_strategy.topology import Topology
+
+__all__ = ["CommThread", "ThreadGroups"]
+
+
+@dataclass(frozen=True)
+class ThreadGroups:
+    """Process groups for the comm thread's own use: the world and the node structure."""
+
+    world: dist.ProcessGroup
+    nodes: NodeGroups
+
+    @classmethod
+    def create(cls, topology: Topology) -> ThreadGroups:
+        """Collective (every rank, same order): one new world group, then the node groups.
+
+        Bytes sent: none by us; gloo connects the new groups' ranks through the store.
+        """
+        world = dist.new_group(ranks=list(range(topology.world_size)))
+        M, L = topology.num_nodes, topology.ranks_per_node
+        intra, _ = dist.new_subgroups_by_enumeration([[m * L + i for i in range(L)] for m in range(M)])
+        inter, _ = dist.new_subgroups_by_enumeration([[m * L + i for m in range(M)] for i in range(L)])
+        return cls(world=world, nodes=NodeGroups(topology, intra_group=intra, inter_group=inter))
+
+
+class CommThread:
+    """Runs submitted jobs one at a time, in order, on a daemon thread (started lazily)."""
+
+    def __init__(self, name: str = "zeropp-comm") -> None:
+        self._name = name
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], torch.futures.Future] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, job: Callable[[], Any]) -> torch.futures.Future:
+        """Queue ``job``; its future gets the job's return value, or its exception."""
+        future: torch.futures.Future = torch.futures.Future()
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+        self._jobs.put((job, future))
+        return future
+
+    def _run(self) -> None:
+        while (item := self._jobs.get()) is not None:
+            job, future = item
+            try:
+                result = job()
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+                future.set_exception(e)
+            else:
+                future.set_result(result)
+
+    def close(self) -> None:
+        """Let queued jobs finish, then stop the thread."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._jobs.put(None)
+            thread.join()

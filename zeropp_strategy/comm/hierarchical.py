@@ -1,0 +1,276 @@
+"""Layer: comm. Plain (unquantized) reduce-scatter and all-gather at their ideal bytes.
+
+Two facts decide how a reduce-scatter or all-gather should move its bytes:
+
+- gloo has no reduce-scatter of its own: torch builds ``reduce_scatter`` from an
+  all-reduce, so every gradient crosses the link twice (measured on the veth, see
+  docs/stages.md). An all-to-all plus a local sum moves each element once.
+- when the group spans nodes, the slow link should carry each element once per node
+  pair, not once per rank pair: first combine within the node, then cross.
+
+[Note: two-hop collectives]
+Group = the world, M nodes x L ranks per node, contiguous ([Note: contiguous ranks] in
+topology.py); ``s`` = elements of one rank's chunk, ``e`` = bytes per element.
+
+reduce-scatter (input W x s, rank j keeps the sum of everybody's chunk j):
+  flat  : all-to-all over the group, then sum the W received chunks.
+          per rank: (W-1) s e sent, (W-L) s e of it to other nodes.
+  2-hop : 1. within the node, send local peer l' the M chunks of ranks (m, l'), all m;
+             sum the L contributions -> the node's partial sums of (m, l) for all m;
+          2. across nodes, among the ranks with this local index, send node m its
+             partial of chunk (m, l); sum the M partials.
+          per rank: (L-1) M s e within the node, (M-1) s e across.
+all-gather (input s, everyone gets all W chunks in rank order):
+  flat  : the backend's own (gloo: a ring; the ring's M node-crossing links each carry
+          (W-1) s e, i.e. M (W-1) s e across in all).
+  2-hop : 1. across nodes, among the ranks with this local index: M chunks;
+          2. within the node: L x M chunks, reordered into rank order (one copy).
+          per rank: (M-1) s e across, (L-1) M s e within; W (M-1) s e across in all.
+For the 2 x 2 simulated cluster: reduce-scatter crosses with s e per rank (flat
+all-to-all 2 s e, gloo's all-reduce-based one 3 s e); all-gather 4 s e in all against
+the ring's 6 s e. Measured in benchmarks/collectives.py.
+
+Sums run in fp32 when the wire dtype is 16-bit (``reduce_dtype="bf16"``): each element is
+rounded to bf16 once per hop, never accumulated in bf16. AVG divides the sum by W after
+the last hop. Backends with a native reduce-scatter (NCCL) keep it: NCCL's ring and tree
+algorithms already reach these volumes.
+
+Every function returns ``None`` (``async_op=False``) or a ``dist.Work`` whose ``wait()``
+finishes the collective: the first hop is in flight when the call returns, the local sums
+and the second hop run in ``wait()`` ([Note: pending work] below).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from zeropp_strategy.comm.ledger import CommKind, CommLedger
+from zeropp_strategy.topology import Topology
+
+__all__ = ["NodeGroups", "PendingWork", "all_gather", "has_native_reduce_scatter", "reduce_scatter"]
+
+_ReduceOp = dist.ReduceOp | dist.ReduceOp.RedOpType
+
+# -- compat: torch 2.13 renames the *_tensor collectives to *_single (our minimum, 2.9, has
+# only the old names). Picked once at import so that no call warns.
+_ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None)
+
+
+def native_all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None,  # noqa: A002
+                      async_op: bool) -> dist.Work | None:
+    """The backend's own all-gather: every rank's ``input`` concatenated into ``output``."""
+    return _ALL_GATHER_SINGLE(output, input, group=group, async_op=async_op)
+
+
+def native_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None,  # noqa: A002
+                          op: _ReduceOp, async_op: bool) -> dist.Work | None:
+    """The backend's own reduce-scatter (on gloo: an all-reduce in disguise, 2x the bytes)."""
+    if _REDUCE_SCATTER_SINGLE is not None:
+        return _REDUCE_SCATTER_SINGLE(output=output, input=input, group=group, op=op, async_op=async_op)
+    return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+
+
+def has_native_reduce_scatter(tensor: torch.Tensor) -> bool:
+    """Accelerator tensors go through NCCL-like backends with a real reduce-scatter; host
+    tensors through gloo, which has none (see the module docstring)."""
+    return tensor.device.type != "cpu"
+
+
+@dataclass(frozen=True)
+class NodeGroups:
+    """The world's node structure, for two-hop collectives: built once by the engine."""
+
+    topology: Topology
+    intra_group: dist.ProcessGroup
+    """The ranks of this rank's node."""
+    inter_group: dist.ProcessGroup
+    """The ranks with this rank's local index, one per node."""
+
+    def two_hop(self, ranks: list[int]) -> bool:
+        """True when ``ranks`` is the world in order and it spans nodes with several ranks
+        each: only then does a two-hop collective send fewer bytes across."""
+        t = self.topology
+        return t.num_nodes > 1 and t.ranks_per_node > 1 and ranks == list(range(t.world_size))
+
+
+# -- pending work -----------------------------------------------------------------------
+
+
+class PendingWork(dist.Work):
+    """A collective in flight plus what must run once it completes.
+
+    [Note: pending work]
+    ``wait()`` waits for the first collective, then runs ``then`` (local sums, the second
+    hop, a dequantize), once; later calls return at once. An error in the collective or in
+    ``then`` is raised from ``wait()`` on this rank; the peers' own collectives fail with it
+    (gloo reports the broken connection), so every rank sees an error, none hangs.
+    FSDP2 recognises the object as async work (it is a ``dist.Work``) and calls ``wait()``
+    right before it needs the gathered parameters.
+    """
+
+    def __init__(self, work: dist.Work | None, then: Callable[[], None]) -> None:
+        super().__init__()
+        self._work: dist.Work | None = work
+        self._then: Callable[[], None] | None = then
+        self._error: BaseException | None = None
+
+    def wait(self, timeout: timedelta | None = None) -> bool:  # noqa: ARG002 - the collective's own timeout applies
+        if self._error is not None:
+            raise self._error
+        if self._then is None:
+            return True
+        then, work = self._then, self._work
+        self._then = self._work = None
+        try:
+            if work is not None:
+                work.wait()
+            then()
+        except BaseException as e:
+            self._error = e
+            raise
+        return True
+
+    def is_completed(self) -> bool:
+        return self._then is None
+
+    def is_success(self) -> bool:
+        return self._then is None and self._error is None
+
+
+def _finish(work: dist.Work | None, then: Callable[[], None], async_op: bool) -> dist.Work | None:
+    pending = PendingWork(work, then)
+    if async_op:
+        return pending
+    pending.wait()
+    return None
+
+
+def _sum_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
+# -- reduce-scatter -----------------------------------------------------------------------
+
+
+def reduce_scatter(
+    output: torch.Tensor,
+    input: torch.Tensor,  # noqa: A002 - torch's own parameter name
+    *,
+    group: dist.ProcessGroup,
+    ranks: list[int],
+    op: _ReduceOp,
+    ledger: CommLedger,
+    kind: CommKind,
+    nodes: NodeGroups | None,
+    async_op: bool = False,
+) -> dist.Work | None:
+    """Reduce ``input`` (W chunks of ``output.numel()``) over ``group``; this rank keeps its
+    chunk in ``output``. ``ranks``: the group's global ranks (``group_ranks(group)``).
+
+    Bytes per rank: see [Note: two-hop collectives]; the ledger books what each hop sends.
+    """
+    s = output.numel()
+    world = len(ranks)
+    if has_native_reduce_scatter(input) or op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG) or world == 1:
+        ledger.record_reduce_scatter(kind, s * output.element_size(), ranks)
+        return native_reduce_scatter(output, input, group, op, async_op)
+    if input.numel() != world * s:
+        raise ValueError(f"reduce_scatter: input has {input.numel()} elements, expected {world} x {s}")
+    avg = op == dist.ReduceOp.AVG
+    if nodes is not None and nodes.two_hop(ranks):
+        return _reduce_scatter_two_hop(output, input, nodes, ledger, kind, avg, async_op)
+    e = input.element_size()
+    recv = torch.empty(world * s, dtype=input.dtype, device=input.device)
+    ledger.record_reduce_scatter(kind, s * e, ranks)
+    work = dist.all_to_all_single(recv, input.reshape(-1).contiguous(), group=group, async_op=True)
+
+    def then() -> None:
+        _sum_into(output, recv.view(world, s), world if avg else None)
+
+    return _finish(work, then, async_op)
+
+
+def _sum_into(output: torch.Tensor, parts: torch.Tensor, divide_by: int | None) -> None:
+    """output = sum over dim 0 of ``parts`` (in fp32 for 16-bit parts), / divide_by."""
+    total = parts.sum(dim=0, dtype=_sum_dtype(parts.dtype))
+    if divide_by is not None:
+        total.div_(divide_by)
+    output.copy_(total.view_as(output))
+
+
+def _reduce_scatter_two_hop(
+    output: torch.Tensor, input: torch.Tensor, nodes: NodeGroups, ledger: CommLedger,  # noqa: A002
+    kind: CommKind, avg: bool, async_op: bool,
+) -> dist.Work | None:
+    t = nodes.topology
+    M, L, s, e = t.num_nodes, t.ranks_per_node, output.numel(), input.element_size()
+    # (M, L, s) -> (L, M, s): row l' holds the chunks of ranks (m, l') for every node m.
+    send = input.reshape(M, L, s).transpose(0, 1).reshape(-1)  # a copy: the transposed order
+    recv = torch.empty_like(send)
+    peers = t.node_ranks(t.node)
+    ledger.record(kind, dict.fromkeys(peers, M * s * e))
+    work = dist.all_to_all_single(recv, send, group=nodes.intra_group, async_op=True)
+
+    def then() -> None:
+        # recv[l'] = node peer l''s chunks of ranks (m, l) for every m: (L, M, s) -> partial (M, s)
+        partial = recv.view(L, M * s).sum(dim=0, dtype=_sum_dtype(recv.dtype)).to(input.dtype)
+        across = torch.empty_like(partial)
+        ledger.record(kind, {m * L + t.local_rank: s * e for m in range(M)})
+        dist.all_to_all_single(across, partial, group=nodes.inter_group)
+        _sum_into(output, across.view(M, s), t.world_size if avg else None)
+
+    return _finish(work, then, async_op)
+
+
+# -- all-gather ----------------------------------------------------------------------------
+
+
+def all_gather(
+    output: torch.Tensor,
+    input: torch.Tensor,  # noqa: A002
+    *,
+    group: dist.ProcessGroup,
+    ranks: list[int],
+    ledger: CommLedger,
+    kind: CommKind,
+    nodes: NodeGroups | None,
+    async_op: bool = False,
+    baseline_bytes: int | None = None,
+    then: Callable[[], None] | None = None,
+) -> dist.Work | None:
+    """Every rank's ``input`` concatenated into ``output`` in group-rank order.
+
+    Bytes per rank: see [Note: two-hop collectives]. ``baseline_bytes``: what an
+    unquantized shard would have sent (qwZ books its int8 payload against it). ``then``:
+    runs once the gather is complete (qwZ's dequantization), before ``wait()`` returns.
+    """
+    s = input.numel()
+    base = s * input.element_size() if baseline_bytes is None else baseline_bytes
+    if nodes is None or not nodes.two_hop(ranks) or has_native_reduce_scatter(input):
+        ledger.record_all_gather(kind, s * input.element_size(), ranks, baseline_shard_bytes=base)
+        work = native_all_gather(output, input, group, async_op=True)
+        return _finish(work, then or (lambda: None), async_op)
+    t = nodes.topology
+    M, L, e = t.num_nodes, t.ranks_per_node, input.element_size()
+    node_chunks = torch.empty(M * s, dtype=input.dtype, device=input.device)
+    ledger.record(kind, {m * L + t.local_rank: s * e for m in range(M)},
+                  baseline_bytes_to_rank={m * L + t.local_rank: base for m in range(M)})
+    work = native_all_gather(node_chunks, input.reshape(-1).contiguous(), nodes.inter_group, async_op=True)
+
+    def finish() -> None:
+        everyone = torch.empty(L * M * s, dtype=input.dtype, device=input.device)
+        ledger.record(kind, dict.fromkeys(t.node_ranks(t.node), M * s * e),
+                      baseline_bytes_to_rank=dict.fromkeys(t.node_ranks(t.node), M * base))
+        native_all_gather(everyone, node_chunks, nodes.intra_group, async_op=False)
+        # (L, M, s) -> rank order (M, L, s)
+        output.view(M, L, s).copy_(everyone.view(L, M, s).transpose(0, 1))
+        if then is not None:
+            then()
+
+    return _finish(work, finish, async_op)
