@@ -4,6 +4,7 @@
     python benchmarks/kernels.py --sizes 1M,16M --blocks 256 --out kernels.json
     python benchmarks/kernels.py --block-sweep --out block_sweep.json
     python benchmarks/kernels.py --tile-sweep                   # CUDA only: re-tune the tile
+    python benchmarks/kernels.py --cpu-suite --out cpu.json     # the torch path at training sizes
 
 GB/s counts each byte an op must move once: quantize reads the input and writes codes plus
 fp32 scales; dequantize reads codes plus scales and writes the output; swizzle_quantize moves
@@ -13,6 +14,12 @@ Time is the median over repetitions after a warm-up (CUDA: triton.testing.do_ben
 On CPU only the torch reference is timed: Triton under TRITON_INTERPRET=1 runs each program
 in Python, so its timings mean nothing (and are not taken). On CUDA both back ends are timed
 and the Triton result is checked to be bit-identical to the reference ("exact" column).
+
+``--cpu-suite`` times the torch reference (the CPU path) per function at the sizes a
+training step hands it: flat shards of 0.1M, 1M and 4M elements; weights in bf16 with
+int8 blocks of 256 (ZeroConfig.weight_quant_block_elems), gradients in fp32 with int4
+blocks of 64 (gradient_quant_block_elems); dequantize_gathered over 4 ranks' payloads,
+beside the per-rank dequantize loop it replaces. docs/_kernels_cpu_note.md has the table.
 
 ``--block-sweep`` measures what the block size buys: relative L2 error of block int8/int4
 quantization against per-tensor int8/int4 for every weight matrix of a GPT-2-shaped model
@@ -27,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import statistics
 import sys
@@ -47,6 +55,7 @@ from zeropp_strategy.kernels.reference import (
 OPS = ("quantize", "dequantize", "swizzle_quantize", "dequant_reduce_quantize")
 SWIZZLE_CHUNKS = 8  # chunks reordered by swizzle_quantize (reversed order)
 REDUCE_SOURCES = 4  # copies summed by dequant_reduce_quantize
+THROUGHPUT_SIZES = "1M,4M,16M,64M"
 
 
 def _parse_size(s: str) -> int:
@@ -58,7 +67,12 @@ def _parse_size(s: str) -> int:
 def _hardware(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+    model = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():  # Linux: the name lscpu prints
+        names = [ln.split(":", 1)[1].strip() for ln in cpuinfo.read_text().splitlines() if ln.startswith("model name")]
+        model = names[0] if names else model
+    return f"{model}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
 
 
 # -- throughput ----------------------------------------------------------------------------------
@@ -131,7 +145,7 @@ def throughput(args: argparse.Namespace) -> dict:
     dtype = getattr(torch, args.dtype)
     ops = args.ops.split(",") if args.ops else list(OPS if device.type == "cuda" else OPS[:2])
     rows = []
-    for numel in [_parse_size(s) for s in args.sizes.split(",")]:
+    for numel in [_parse_size(s) for s in (args.sizes or THROUGHPUT_SIZES).split(",")]:
         for block_elems in [int(b) for b in args.blocks.split(",")]:
             for bits in [int(b) for b in args.bits.split(",")]:
                 for op in ops:
@@ -181,7 +195,7 @@ def tile_sweep(args: argparse.Namespace) -> dict:
         sys.exit("--tile-sweep times the Triton kernels and needs a CUDA GPU.")
     from zeropp_strategy.kernels import triton_quant as tq
 
-    device, numel, rows = torch.device("cuda"), _parse_size(args.sizes.split(",")[-1]), []
+    device, numel, rows = torch.device("cuda"), _parse_size((args.sizes or THROUGHPUT_SIZES).split(",")[-1]), []
     saved = tq._TILE_ELEMS, tq._NUM_WARPS
     try:
         for tile in (1024, 2048, 4096, 8192, 16384):
@@ -197,6 +211,101 @@ def tile_sweep(args: argparse.Namespace) -> dict:
     finally:
         tq._TILE_ELEMS, tq._NUM_WARPS = saved
     return {"device": _hardware(device), "numel": numel, "rows": rows}
+
+
+# -- CPU suite ------------------------------------------------------------------------------------
+
+CPU_SIZES = "100K,1M,4M"
+CPU_CHUNK_SWEEP = (1 << 16, 1 << 17, 1 << 18, 1 << 19, 1 << 20, 1 << 30)  # 1 << 30: no chunking
+CPU_GATHER_WORLD = 4  # ranks whose payloads dequantize_gathered reads
+CPU_REDUCE_SOURCES = 2  # ranks per node summed by dequant_reduce_quantize (2 nodes x 2 in the tests)
+
+
+def _cpu_cases(numel: int, wb: int, gb: int) -> list[tuple[str, str, int, object]]:
+    """-> [(op, what, bytes moved, callable)]: the calls ZeRO++ makes per step on CPU, each
+    with the bytes it must move at least once (inputs read, outputs written)."""
+    from zeropp_strategy.kernels.reference import pack_int4, unpack_int4
+
+    w = torch.randn(numel).to(torch.bfloat16)  # a qwZ weight shard (bf16-mixed param dtype)
+    g = torch.randn(numel)  # a qgZ gradient (fp32)
+    wq = quantize_ref(w, wb, 8)
+    w_q_bytes, g_q_bytes = quantized_nbytes(numel, wb, 8), quantized_nbytes(numel, gb, 4)
+    world = CPU_GATHER_WORLD
+    payload = torch.cat([wq[0].view(torch.uint8), wq[1].view(torch.uint8)])
+    gathered = payload.repeat(world, 1)  # (world, payload_bytes)
+    out = torch.empty(world * numel, dtype=torch.bfloat16)
+    code_bytes = wq[0].numel()
+
+    def gather_loop():  # what comm/zeropp.py did before dequantize_gathered
+        for r in range(world):
+            c, s = gathered[r, :code_bytes].view(torch.int8), gathered[r, code_bytes:].view(torch.float32)
+            out[r * numel : (r + 1) * numel].copy_(kernels.dequantize(c, s, wb, numel, 8, out.dtype))
+
+    gather_kw = dict(code_bytes=code_bytes, numel=numel, block_elems=wb, out=out)
+    chunk = numel // 4
+    order = [1, 3, 0, 2]  # 2 nodes x 2 ranks, destination-major
+    parts = [quantize_ref(g * (s + 1), gb, 4) for s in range(CPU_REDUCE_SOURCES)]
+    rc, rs = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    red_kw = dict(sources=CPU_REDUCE_SOURCES, numel=numel, block_elems=gb, bits=4)
+    codes8 = torch.randint(-7, 8, (numel,), dtype=torch.int8)
+    packed = pack_int4(codes8)
+    S = CPU_REDUCE_SOURCES
+    return [
+        ("quantize", f"bf16 int8 B={wb}", 2 * numel + w_q_bytes, lambda: quantize_ref(w, wb, 8)),
+        ("dequantize", f"int8 B={wb} -> bf16", w_q_bytes + 2 * numel,
+         lambda: dequantize_ref(*wq, wb, numel, 8, w.dtype)),
+        ("dequantize_gathered", f"{world} ranks int8 B={wb} -> bf16", world * (w_q_bytes + 2 * numel),
+         lambda: kernels.dequantize_gathered(gathered, **gather_kw)),
+        ("  per-rank dequantize loop", f"{world} ranks int8 B={wb} -> bf16", world * (w_q_bytes + 2 * numel),
+         gather_loop),
+        ("quantize", f"fp32 int4 B={gb}", 4 * numel + g_q_bytes, lambda: quantize_ref(g, gb, 4)),
+        ("swizzle_quantize", f"fp32 int4 B={gb}, 4 chunks", 4 * numel + g_q_bytes,
+         lambda: swizzle_quantize_ref(g, order, chunk, gb, 4)),
+        ("dequant_reduce_quantize", f"{S} sources int4 B={gb}, requantize", (S + 1) * g_q_bytes,
+         lambda: dequant_reduce_quantize_ref(rc, rs, **red_kw)),
+        ("dequant_reduce_quantize", f"{S} sources int4 B={gb} -> fp32", S * g_q_bytes + 4 * numel,
+         lambda: dequant_reduce_quantize_ref(rc, rs, **red_kw, requantize=False)),
+        ("pack_int4", "int8 -> uint8", numel + numel // 2, lambda: pack_int4(codes8)),
+        ("unpack_int4", "uint8 -> int8", numel // 2 + numel, lambda: unpack_int4(packed)),
+    ]  # fmt: skip
+
+
+def cpu_suite(args: argparse.Namespace) -> dict:
+    """Median ms per call and GB/s of every CPU case; with ``--chunk-sweep`` once per value of
+    reference._CHUNK_ELEMS (the measurement behind that constant)."""
+    from zeropp_strategy.config import ZeroConfig
+    from zeropp_strategy.kernels import reference
+
+    torch.set_num_threads(args.threads)  # training ranks run with 1 (benchmarks/bench_train.py)
+    device, cfg = torch.device("cpu"), ZeroConfig()
+    wb, gb = cfg.weight_quant_block_elems, cfg.gradient_quant_block_elems
+    chunks = CPU_CHUNK_SWEEP if args.chunk_sweep else (reference._CHUNK_ELEMS,)
+    saved, rows = reference._CHUNK_ELEMS, []
+    try:
+        for numel in [_parse_size(s) for s in (args.sizes or CPU_SIZES).split(",")]:
+            for op, what, nbytes, fn in _cpu_cases(numel, wb, gb):
+                for chunk in chunks:
+                    reference._CHUNK_ELEMS = chunk
+                    ms = _time_ms(fn, device)
+                    rows.append({"op": op, "what": what, "numel": numel, "chunk_elems": chunk, "bytes": nbytes,
+                                 "ms": ms, "GBps": nbytes / ms / 1e6})  # fmt: skip
+                    if args.verbose:
+                        print(_cpu_row_md(rows[-1]), flush=True)
+    finally:
+        reference._CHUNK_ELEMS = saved
+    return {"device": _hardware(device), "torch": torch.__version__, "rows": rows}
+
+
+def _cpu_row_md(r: dict) -> str:
+    return (f"| {r['op']} | {r['what']} | {r['numel'] / 1e6:g}M | {r['chunk_elems']} | {r['ms']:.3f} | "
+            f"{r['GBps']:.2f} |")  # fmt: skip
+
+
+def print_cpu_suite(res: dict) -> None:
+    print(f"\n{res['device']}, torch {res['torch']}: torch reference, median ms per call\n")
+    print("| op | case | numel | chunk_elems | ms | GB/s |\n|---|---|---|---|---|---|")
+    for r in res["rows"]:
+        print(_cpu_row_md(r))
 
 
 # -- block-size sweep ----------------------------------------------------------------------------
@@ -293,13 +402,17 @@ def print_block_sweep(res: dict) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", default="1M,4M,16M,64M", help="elements per tensor (K/M/G suffixes)")
+    ap.add_argument("--sizes", help=f"elements per tensor (K/M/G suffixes); default {THROUGHPUT_SIZES} ({CPU_SIZES} "
+                    "with --cpu-suite)")
     ap.add_argument("--blocks", default="64,256,1024,4096", help="block_elems values")
     ap.add_argument("--bits", default="8,4")
     ap.add_argument("--ops", help=f"comma list of {', '.join(OPS)}; default: all on CUDA, the first two on CPU")
     ap.add_argument("--dtype", default="float32", help="input (quantize) / output (dequantize) dtype")
     ap.add_argument("--block-sweep", action="store_true", help="quantization error vs block size instead of GB/s")
     ap.add_argument("--tile-sweep", action="store_true", help="Triton GB/s per tile size and warp count (CUDA)")
+    ap.add_argument("--cpu-suite", action="store_true", help="the torch reference at training sizes (CPU)")
+    ap.add_argument("--chunk-sweep", action="store_true", help="--cpu-suite once per reference._CHUNK_ELEMS value")
+    ap.add_argument("--threads", type=int, default=1, help="--cpu-suite: torch threads (training ranks use 1)")
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
     ap.add_argument("-v", "--verbose", action="store_true", help="print each row as it is measured")
     args = ap.parse_args()
@@ -308,6 +421,9 @@ def main() -> None:
         print_block_sweep(res)
     elif args.tile_sweep:
         res = tile_sweep(args)
+    elif args.cpu_suite:
+        res = cpu_suite(args)
+        print_cpu_suite(res)
     else:
         res = throughput(args)
         print_throughput(res)

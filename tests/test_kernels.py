@@ -38,9 +38,7 @@ from zeropp_strategy.kernels.reference import (
     QMAX,
     dequant_reduce_quantize_ref,
     dequantize_ref,
-    pack_int4,
     quantize_ref,
-    quantized_nbytes,
     swizzle_quantize_ref,
     unpack_int4,
 )
@@ -344,102 +342,6 @@ def test_ptx_uses_exact_arithmetic():
     )  # fmt: skip
     assert "div.full" not in ptx and "div.approx" not in ptx and "fma." not in ptx
     assert "mul.rn.f32" in ptx and "div.rn.f32" in ptx
-
-
-# -- the reference's own properties (in process) -----------------------------------------------
-
-
-@pytest.mark.parametrize("bits", BITS)
-@pytest.mark.parametrize("block_elems", (32, 256, 4096))
-@pytest.mark.parametrize("dname", list(DTYPES))
-def test_error_bound_per_block(dname, block_elems, bits):
-    """|x - dequant(quant(x))| <= absmax(block) / (2 qmax), up to fp32 rounding of x / scale
-    and of code * scale."""
-    n = 3 * block_elems + 5
-    x = _randn(f"bound-{dname}-{block_elems}-{bits}", n, DTYPES[dname])
-    codes, scales = quantize_ref(x, block_elems, bits)
-    err = (x.double() - dequantize_ref(codes, scales, block_elems, n, bits).double()).abs()
-    xf = torch.nn.functional.pad(x.double(), (0, -n % block_elems)).view(-1, block_elems)
-    absmax = xf.abs().amax(dim=1)
-    assert torch.allclose(scales.double(), absmax / QMAX[bits], rtol=2**-23, atol=0)
-    bound = (absmax / (2 * QMAX[bits]))[:, None] * (1 + 2**-20) + xf.abs() * 2**-22
-    err = torch.nn.functional.pad(err, (0, -n % block_elems)).view(-1, block_elems)
-    assert bool((err <= bound).all()), float((err - bound).max())
-    # the bound is tight: some element uses most of it
-    assert float((err / (absmax[:, None] / (2 * QMAX[bits]))).max()) > 0.5
-
-
-@pytest.mark.parametrize("bits", BITS)
-def test_reference_ties_round_half_to_even(bits):
-    codes, scales = quantize_ref(_ties(bits), 32, bits)
-    codes = unpack_int4(codes) if bits == 4 else codes
-    assert scales.tolist() == [1.0, 2.0**-7, 2.0**5]
-    ks = _tie_ks(bits)
-    for block, sign in ((0, 1), (1, 1), (2, -1)):
-        got = codes[32 * block + 1 : 32 * block + 1 + len(ks)].tolist()
-        assert got == [sign * round(k + 0.5) for k in ks]  # Python's round() is half to even
-    assert codes[1 + ks.index(0)] == 0 and codes[1 + ks.index(1)] == 2  # 0.5 -> 0, 1.5 -> 2
-
-
-def test_zero_block_has_zero_scale_and_codes():
-    x = torch.zeros(70)
-    x[40] = 3.0
-    codes, scales = quantize_ref(x, 32, 8)
-    s = torch.tensor(3.0) / 127  # fp32
-    assert torch.equal(scales, torch.stack([torch.tensor(0.0), s, torch.tensor(0.0)]))
-    assert codes.count_nonzero() == 1 and codes[40] == 127
-    assert torch.equal(dequantize_ref(codes, scales, 32, 70), torch.where(x != 0, 127 * s, 0.0))
-
-
-def test_int4_pack_layout_and_round_trip():
-    assert pack_int4(torch.tensor([1, -2, -7, 7], dtype=torch.int8)).tolist() == [9 | (6 << 4), 1 | (15 << 4)]
-    g = _gen("int4")
-    c = torch.randint(-8, 8, (4098,), generator=g, dtype=torch.int8)
-    packed = pack_int4(c)
-    assert packed.dtype == torch.uint8 and packed.numel() == 2049
-    assert torch.equal(unpack_int4(packed), c)
-    # and through quantize: int4 codes unpack to the int8 codes of an int4 quantizer
-    x = _randn("int4-q", 300)
-    codes4, scales4 = quantize_ref(x, 32, 4)
-    assert unpack_int4(codes4).abs().max() <= 7
-    absmax = torch.nn.functional.pad(x, (0, 20)).view(-1, 32).abs().amax(dim=1)
-    assert torch.equal(scales4, absmax / 7)
-
-
-@pytest.mark.parametrize(
-    "numel,block_elems,bits,want",
-    [
-        (1000, 256, 8, 1024 + 4 * 4),
-        (1000, 256, 4, 512 + 4 * 4),
-        (256, 256, 8, 256 + 4),
-        (1, 32, 4, 16 + 4),
-        (0, 32, 8, 0),
-        (10**6, 4096, 8, 245 * 4096 + 4 * 245),
-    ],
-)
-def test_quantized_nbytes(numel, block_elems, bits, want):
-    assert kernels.quantized_nbytes(numel, block_elems, bits) == want
-    if numel:
-        codes, scales = quantize_ref(torch.ones(numel), block_elems, bits)
-        assert codes.numel() * codes.element_size() + scales.numel() * 4 == want
-
-
-def test_swizzle_reference_is_chunkwise_quantize():
-    x = _randn("swz", 5 * 100)
-    codes, scales = swizzle_quantize_ref(x, [4, 0, 2], 100, 32, 8)
-    assert codes.numel() == 3 * 128 and scales.numel() == 3 * 4
-    _assert_equal("slot 0", (codes[:128], scales[:4]), quantize_ref(x[400:500], 32, 8))
-    _assert_equal("slot 2", (codes[256:], scales[8:]), quantize_ref(x[200:300], 32, 8))
-
-
-def test_reduce_reference_sums_sources():
-    a, b = _randn("ra", 300), _randn("rb", 300)
-    qa, qb = quantize_ref(a, 32, 8), quantize_ref(b, 32, 8)
-    total = dequant_reduce_quantize_ref(
-        torch.cat([qa[0], qb[0]]), torch.cat([qa[1], qb[1]]), sources=2, numel=300, block_elems=32, bits=8,
-        requantize=False,
-    )  # fmt: skip
-    assert torch.equal(total, dequantize_ref(*qa, 32, 300) + dequantize_ref(*qb, 32, 300))
 
 
 # -- the dispatch API (in process: CPU tensors take the torch path) ---------------------------

@@ -3,6 +3,8 @@
     from zeropp_strategy import kernels
     codes, scales = kernels.quantize(x, block_elems=256, bits=8)
     y = kernels.dequantize(codes, scales, 256, x.numel(), bits=8, dtype=x.dtype)
+    # qwZ: (world, payload_bytes) all-gathered int8 payloads -> world x numel values, one pass
+    kernels.dequantize_gathered(gathered, code_bytes=codes.numel(), numel=x.numel(), block_elems=256, out=out)
 
 Layout, rounding and error bound: [Note: quantization conventions] in reference.py.
 
@@ -13,6 +15,9 @@ Every function here picks its back end per call, from its first tensor argument:
   call). For CPU tensors that needs ``TRITON_INTERPRET=1`` set before triton is first
   imported: that is how tests/test_kernels.py runs the kernels without a GPU;
 - the torch reference (reference.py) otherwise: CPU tensors, or CUDA without triton.
+``dequantize_gathered`` is the exception: torch on every device (no Triton kernel; a few
+elementwise ops, each over all rows at once), equal to ``dequantize`` of each row on either
+back end.
 Both back ends produce the same bytes (codes, scales and dequantized values; checked by
 tests/test_kernels.py), so which one a rank used never changes what its peers receive.
 triton is imported on first Triton dispatch only, so this package imports without it.
@@ -36,6 +41,7 @@ import torch
 from zeropp_strategy.kernels.reference import (
     QMAX,
     dequant_reduce_quantize_ref,
+    dequantize_gathered_ref,
     dequantize_ref,
     num_blocks,
     padded_numel,
@@ -47,11 +53,13 @@ from zeropp_strategy.kernels.reference import (
 __all__ = [
     "QMAX",
     "check_chunks",
+    "check_gathered",
     "check_input",
     "check_quant_args",
     "check_quantized",
     "dequant_reduce_quantize",
     "dequantize",
+    "dequantize_gathered",
     "kernel_backend",
     "normalize_order",
     "num_blocks",
@@ -130,6 +138,33 @@ def check_quantized(
     return codes_per, scales_per
 
 
+def check_gathered(gathered: torch.Tensor, code_bytes: int, numel: int, block_elems: int, out: torch.Tensor) -> None:
+    """``gathered`` holds one int8 payload (codes, then fp32 scales as bytes) per row for
+    ``numel`` elements in blocks of ``block_elems``, and ``out`` takes every row's values."""
+    if gathered.dtype != torch.uint8 or gathered.dim() != 2:
+        raise TypeError(
+            f"gathered is {gathered.dtype} of shape {tuple(gathered.shape)}; it must be uint8 of shape "
+            "(world, payload_bytes). Fix: pass the all-gathered payloads viewed as uint8, one row per rank."
+        )
+    if not isinstance(numel, int) or numel < 0:
+        raise ValueError(f"numel={numel!r} is not a count of elements. Fix: pass the shard's numel.")
+    want_codes, nb = padded_numel(numel, block_elems), num_blocks(numel, block_elems)
+    if code_bytes != want_codes or gathered.shape[1] != want_codes + 4 * nb:
+        raise ValueError(
+            f"code_bytes={code_bytes!r} and payload rows of {gathered.shape[1]} bytes do not hold numel={numel} "
+            f"elements as int8 blocks of block_elems={block_elems} (want code_bytes={want_codes} and "
+            f"{want_codes + 4 * nb}-byte rows). Fix: pass the numel and block_elems the shard was quantized with."
+        )
+    if not out.is_floating_point() or out.numel() != gathered.shape[0] * numel or not out.is_contiguous():
+        raise ValueError(
+            f"out is {out.dtype}{tuple(out.shape)}{'' if out.is_contiguous() else ', not contiguous'}; it must be a "
+            f"contiguous float tensor of world x numel = {gathered.shape[0] * numel} elements. "
+            "Fix: pass the all-gather output buffer."
+        )
+    if out.device != gathered.device:
+        raise ValueError(f"out is on {out.device}, gathered on {gathered.device}. Fix: put both on one device.")
+
+
 def _force_triton() -> bool:
     return os.environ.get("ZEROPP_FORCE_TRITON", "") == "1"
 
@@ -184,6 +219,20 @@ def dequantize(
     if kernel_backend(codes) == "triton":
         return _triton().dequantize_triton(codes, scales, block_elems, numel, bits, dtype)
     return dequantize_ref(codes, scales, block_elems, numel, bits, dtype)
+
+
+def dequantize_gathered(
+    gathered: torch.Tensor, *, code_bytes: int, numel: int, block_elems: int, out: torch.Tensor
+) -> None:
+    """qwZ's receive side: ``gathered`` (world, payload_bytes) uint8, row r the payload
+    ``cat([codes.view(uint8), scales.view(uint8)])`` of ``quantize(shard, block_elems, 8)`` for
+    a ``numel``-element shard (``code_bytes`` = padded numel) -> ``out[r * numel : (r + 1) *
+    numel]`` = row r dequantized into out's float dtype, every op over all rows at once (no
+    loop over ranks). Equal to ``dequantize`` of each row; torch on every device (see
+    [Note: kernel dispatch])."""
+    check_quant_args(block_elems, 8)
+    check_gathered(gathered, code_bytes, numel, block_elems, out)
+    dequantize_gathered_ref(gathered, code_bytes=code_bytes, numel=numel, block_elems=block_elems, out=out)
 
 
 def swizzle_quantize(

@@ -1,5 +1,9 @@
 """Block quantization in plain torch: the CPU path and the oracle for the Triton kernels.
 
+    python benchmarks/kernels.py --cpu-suite      # time per call at training sizes, GB/s
+
+Layer: kernels (imports torch only).
+
 [Note: quantization conventions]
 - Symmetric, one fp32 scale per block of ``block_elems`` consecutive elements of the
   flattened input; the last block is zero-padded (padding quantizes to code 0).
@@ -11,6 +15,32 @@
 - int4 packing: two codes per uint8, element 2i in the low nibble and 2i+1 in the high
   nibble, each stored as ``code + 8`` (0..15).
 - Error bound per element: |x - dequant(quant(x))| <= scale / 2 = absmax(block) / (2 qmax).
+
+[Note: fast CPU reference]
+The functions here are the specification and, on CPU, the hot path of every qwZ/qgZ
+collective, so they are written for speed without changing a single output bit:
+- Work goes chunk by chunk (``_CHUNK_ELEMS`` elements of whole blocks) through scratch
+  buffers allocated once per call: every temporary stays in cache, and none is large
+  enough to be a fresh mmap (first touch of a 16 MB temporary cost more than the
+  arithmetic on it; see docs/_kernels_cpu_note.md).
+- Non-fp32 inputs are converted into the fp32 scratch first; the absmax is then
+  ``max(amax, -amin)`` on fp32 (the same value as ``abs().amax()``, without an abs pass;
+  bf16 reductions are several times slower than fp32 ones in torch 2.13 on CPU).
+- ``x / scale`` stays a correctly rounded division (a reciprocal multiply would move
+  ties), rounded in place. The clamp to [-qmax, qmax] and the zeroing of blocks whose
+  scale is not > 0 can only change anything when a block's scale is subnormal or NaN
+  (otherwise |x / scale| <= qmax (1 + 2^-23) rounds into range, and an all-zero block
+  divides to zeros), so they run only for chunks that hold such a block.
+- Mixed-dtype torch ops (int8 * fp32 into bf16, say) are slow on CPU: TensorIterator
+  makes hidden copies and falls off the vectorized path. Every op here has one dtype in
+  and out, conversions are explicit ``copy_`` calls.
+- int4 packing and unpacking use int16 views of byte pairs: ``w | (w >> 4)`` keeps the low
+  nibbles of both bytes in the low byte; ``(w | (w << 4)) & 0x0F0F`` spreads them back.
+  These equal the nibble arithmetic of the convention for codes in [-8, 7], which is
+  every code quantize writes.
+- dequant_reduce_quantize adds the sources in source order, starting from source 0's
+  product rather than from 0.0; the two differ only in the sign of a -0.0 product,
+  which needs a negative or -0.0 scale, never produced by quantize.
 """
 
 from __future__ import annotations
@@ -18,6 +48,16 @@ from __future__ import annotations
 import torch
 
 QMAX = {8: 127, 4: 7}
+
+# Elements per chunk: 2**20 (4 MiB of fp32 scratch). Chosen with
+# `python benchmarks/kernels.py --cpu-suite --chunk-sweep` (AMD EPYC, 2 cores, 1 torch thread as
+# in training, torch 2.13; docs/_kernels_cpu_note.md): per-op dispatch costs ~5 us at one
+# thread and a chunk runs ~15 ops per source, so 2**16 was 1.5-2.5x slower at 1M-4M
+# elements; unchunked (whole-tensor temporaries) was 1.1-2.2x slower than 2**20 at 4M, 8.8x
+# for dequantize_gathered over 4 ranks (first-touch page faults of 16-64 MB scratch, out
+# of cache); 2**20 was best or within noise everywhere.
+_CHUNK_ELEMS = 1 << 20
+_TINY = torch.finfo(torch.float32).tiny  # smallest normal fp32
 
 
 def padded_numel(numel: int, block_elems: int) -> int:
@@ -34,6 +74,107 @@ def quantized_nbytes(numel: int, block_elems: int, bits: int) -> int:
     return n * bits // 8 + 4 * num_blocks(numel, block_elems)
 
 
+# -- chunked pieces (see [Note: fast CPU reference]) -------------------------------------------
+
+
+class _Scratch:
+    """Per-call scratch for up to ``rows`` blocks of ``block_elems``: fp32 values, int8 codes
+    and int16 byte pairs (the last two for int4 only)."""
+
+    def __init__(self, rows: int, block_elems: int, bits: int, device: torch.device) -> None:
+        n = rows * block_elems
+        self.y = torch.empty(n, dtype=torch.float32, device=device)
+        if bits == 4:
+            self.i8 = torch.empty(n, dtype=torch.int8, device=device)
+            self.w16 = torch.empty(n // 2, dtype=torch.int16, device=device)
+            self.w16b = torch.empty_like(self.w16)
+
+    def f32(self, rows: int, block_elems: int) -> torch.Tensor:
+        return self.y[: rows * block_elems].view(rows, block_elems)
+
+
+def _chunk_rows(block_elems: int) -> int:
+    return max(1, _CHUNK_ELEMS // block_elems)
+
+
+def _scratch(total_rows: int, block_elems: int, bits: int, device: torch.device) -> _Scratch:
+    return _Scratch(min(max(total_rows, 1), _chunk_rows(block_elems)), block_elems, bits, device)
+
+
+def _quantize_rows(src: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bits: int, sc: _Scratch) -> None:
+    """One chunk: src (rows, B) float (may be sc's fp32 buffer itself) -> codes (rows * B *
+    bits // 8, int8 or packed uint8) and scales (rows,) fp32, written in place."""
+    rows, b = src.shape
+    qmax = QMAX[bits]
+    y = sc.f32(rows, b)
+    if src.dtype != torch.float32:
+        src = y.copy_(src)
+    torch.maximum(src.amax(dim=1), src.amin(dim=1).neg_(), out=scales)
+    scales.abs_().div_(qmax)  # abs: all -0.0 gives +0.0, as abs().amax() does
+    safe = torch.where(scales == 0, 1.0, scales)  # NaN stays NaN: amin() below sees it
+    torch.div(src, safe[:, None], out=y)
+    y.round_()
+    if not float(safe.amin()) >= _TINY:  # a subnormal or NaN scale: clamp and zero as specified
+        y.clamp_(-qmax, qmax)
+        y[~(scales > 0)] = 0.0
+    if bits == 8:
+        codes.view(rows, b).copy_(y)
+        return
+    c = sc.i8[: rows * b]
+    c.copy_(y.view(-1)).add_(8)  # 1..15
+    w = c.view(torch.int16)  # (code 2i + 8) + 256 (code 2i+1 + 8)
+    w2 = torch.bitwise_right_shift(w, 4, out=sc.w16b[: w.numel()])
+    w2.bitwise_or_(w)
+    codes.copy_(w2)  # the low byte: low | high << 4
+
+
+def _dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, y: torch.Tensor, bits: int, sc: _Scratch) -> None:
+    """One chunk: codes of (rows, B) elements and scales (rows,) -> y (rows, B) fp32 = code * scale."""
+    rows, b = y.shape
+    if bits == 8:
+        y.copy_(codes.view(rows, b))
+    else:
+        w = sc.w16[: codes.numel()].copy_(codes)  # packed byte p -> 0x00pp
+        w.bitwise_or_(torch.bitwise_left_shift(w, 4, out=sc.w16b[: w.numel()])).bitwise_and_(0x0F0F)
+        c = w.view(torch.int8).sub_(8)  # (low, high) nibbles as bytes, minus 8
+        y.copy_(c.view(rows, b))
+    y.mul_(scales[:, None])
+
+
+def _code_slice(codes: torch.Tensor, r0: int, r1: int, block_elems: int, bits: int) -> torch.Tensor:
+    per = block_elems * bits // 8
+    return codes[r0 * per : r1 * per]
+
+
+def _quantize_flat_into(flat: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block_elems: int, bits: int,
+                        sc: _Scratch) -> None:  # fmt: skip
+    """flat (n,) float -> codes (padded n * bits // 8) and scales (num_blocks,), in place."""
+    n, b = flat.numel(), block_elems
+    full = n // b
+    step = _chunk_rows(b)
+    blocks = flat[: full * b].view(full, b)
+    for r0 in range(0, full, step):
+        r1 = min(full, r0 + step)
+        _quantize_rows(blocks[r0:r1], _code_slice(codes, r0, r1, b, bits), scales[r0:r1], bits, sc)
+    if full * b < n:  # the last block, zero-padded
+        tail = sc.f32(1, b)
+        tail[0, n - full * b :] = 0.0
+        tail[0, : n - full * b] = flat[full * b :]
+        _quantize_rows(tail, _code_slice(codes, full, full + 1, b, bits), scales[full:], bits, sc)
+
+
+def _empty_quantized(
+    numel: int, block_elems: int, bits: int, n: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes and scales for ``n`` quantized copies of ``numel`` elements, uninitialised."""
+    code_dtype = torch.int8 if bits == 8 else torch.uint8
+    codes = torch.empty(n * padded_numel(numel, block_elems) * bits // 8, dtype=code_dtype, device=device)
+    return codes, torch.empty(n * num_blocks(numel, block_elems), dtype=torch.float32, device=device)
+
+
+# -- the reference functions -------------------------------------------------------------------
+
+
 def quantize_ref(x: torch.Tensor, block_elems: int, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """x (any shape, float) -> (codes, scales).
 
@@ -42,41 +183,92 @@ def quantize_ref(x: torch.Tensor, block_elems: int, bits: int = 8) -> tuple[torc
     """
     if bits not in QMAX:
         raise ValueError(f"bits={bits} is not supported. Fix: use 8 or 4.")
-    qmax = QMAX[bits]
-    flat = x.reshape(-1).float()
-    n = flat.numel()
-    pad = padded_numel(n, block_elems) - n
-    if pad:
-        flat = torch.nn.functional.pad(flat, (0, pad))
-    blocks = flat.view(-1, block_elems)  # (nb, B)
-    scales = blocks.abs().amax(dim=1) / qmax  # (nb,)
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    codes = torch.round(blocks / safe[:, None]).clamp_(-qmax, qmax)
-    codes = torch.where(scales[:, None] > 0, codes, torch.zeros_like(codes)).to(torch.int8).view(-1)
-    if bits == 4:
-        codes = pack_int4(codes)
+    flat = x.reshape(-1)
+    codes, scales = _empty_quantized(flat.numel(), block_elems, bits, 1, flat.device)
+    sc = _scratch(num_blocks(flat.numel(), block_elems), block_elems, bits, flat.device)
+    _quantize_flat_into(flat, codes, scales, block_elems, bits, sc)
     return codes, scales
+
+
+def _dequantize_into(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, block_elems: int, bits: int,
+                     sc: _Scratch) -> None:  # fmt: skip
+    """codes/scales of one quantized tensor -> out (numel,) of any float dtype, numel <= the
+    blocks' elements; out may be a strided view whose last dim is contiguous."""
+    n, b = out.numel(), block_elems
+    full = n // b
+    step = _chunk_rows(b)
+    direct = out.dtype == torch.float32
+    blocks = out[: full * b].view(full, b)
+    for r0 in range(0, full, step):
+        r1 = min(full, r0 + step)
+        y = blocks[r0:r1] if direct else sc.f32(r1 - r0, b)
+        _dequantize_rows(_code_slice(codes, r0, r1, b, bits), scales[r0:r1], y, bits, sc)
+        if not direct:
+            blocks[r0:r1].copy_(y)
+    if full * b < n:
+        y = sc.f32(1, b)
+        _dequantize_rows(_code_slice(codes, full, full + 1, b, bits), scales[full : full + 1], y, bits, sc)
+        out[full * b :].copy_(y[0, : n - full * b])
 
 
 def dequantize_ref(
     codes: torch.Tensor, scales: torch.Tensor, block_elems: int, numel: int, bits: int = 8, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    """Inverse of ``quantize_ref``: a 1-D tensor of ``numel`` elements in ``dtype``."""
-    q = unpack_int4(codes) if bits == 4 else codes
-    vals = q.view(-1, block_elems).float() * scales[:, None]
-    return vals.view(-1)[:numel].to(dtype)
+    """Inverse of ``quantize_ref``: a 1-D tensor of ``numel`` elements in ``dtype``
+    (each value rounded once, from the fp32 product code * scale)."""
+    out = torch.empty(numel, dtype=dtype, device=codes.device)
+    sc = _scratch(num_blocks(numel, block_elems), block_elems, bits, codes.device)
+    _dequantize_into(codes.reshape(-1), scales.reshape(-1), out, block_elems, bits, sc)
+    return out
+
+
+def dequantize_gathered_ref(
+    gathered: torch.Tensor, *, code_bytes: int, numel: int, block_elems: int, out: torch.Tensor
+) -> None:
+    """gathered (world, code_bytes + 4 * num_blocks) uint8, each row one int8 payload
+    ``cat([codes, scales as bytes])`` of ``numel`` elements -> out[r * numel : (r + 1) * numel]
+    = row r dequantized, in out's dtype. One pass over all rows: every op spans the world."""
+    world, b = gathered.shape[0], block_elems
+    nb = num_blocks(numel, b)
+    if world == 0 or numel == 0:
+        return
+    codes = gathered[:, :code_bytes].view(torch.int8)  # (world, nb * B)
+    scale_bytes = gathered[:, code_bytes : code_bytes + 4 * nb]
+    if scale_bytes.storage_offset() % 4 or scale_bytes.stride(0) % 4:
+        scale_bytes = scale_bytes.contiguous()  # a misaligned buffer: view as fp32 needs 4-byte steps
+    scales = scale_bytes.view(torch.float32)  # (world, nb)
+    dst = out.view(world, numel)
+    full = numel // b
+    direct = out.dtype == torch.float32
+    # blocks per rank per chunk; on a GPU (no cache to keep the scratch in) all at once
+    step = max(1, _chunk_rows(b) // world) if gathered.device.type == "cpu" else max(full, 1)
+    y_all = torch.empty(world * min(max(full, 1), step) * b, dtype=torch.float32, device=gathered.device)
+    for k0 in range(0, full, step):
+        k1 = min(full, k0 + step)
+        dst_k = dst[:, k0 * b : k1 * b].view(world, k1 - k0, b)
+        y = dst_k if direct else y_all[: world * (k1 - k0) * b].view(world, k1 - k0, b)
+        y.copy_(codes[:, k0 * b : k1 * b].view(world, k1 - k0, b))
+        y.mul_(scales[:, k0:k1, None])
+        if not direct:
+            dst_k.copy_(y)
+    if full * b < numel:  # every row's last, partial block
+        rem = numel - full * b
+        y = y_all[: world * rem].view(world, rem)
+        y.copy_(codes[:, full * b : numel])
+        y.mul_(scales[:, full : full + 1])
+        dst[:, full * b :].copy_(y)
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     """int8 codes in [-7, 7] (even count) -> uint8, two per byte (low nibble first)."""
-    u = (codes.to(torch.int16) + 8).to(torch.uint8).view(-1, 2)
-    return (u[:, 0] | (u[:, 1] << 4)).contiguous()
+    w = (codes.reshape(-1) + 8).view(torch.int16)  # (code 2i + 8) + 256 (code 2i+1 + 8)
+    return (w | (w >> 4)).to(torch.uint8)  # low byte: low | high << 4
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    lo = (packed & 0x0F).to(torch.int16) - 8
-    hi = (packed >> 4).to(torch.int16) - 8
-    return torch.stack([lo, hi], dim=1).view(-1).to(torch.int8)
+    w = packed.reshape(-1).to(torch.int16)  # byte p -> 0x00pp
+    w = (w | (w << 4)) & 0x0F0F  # 0x0h0l: (low, high) nibbles as little-endian bytes
+    return w.view(torch.int8).sub_(8)
 
 
 def swizzle_quantize_ref(
@@ -84,9 +276,29 @@ def swizzle_quantize_ref(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reorder ``x``'s chunks (``x.view(-1, chunk_elems)[order]``) and quantize each chunk
     separately (blocks never straddle chunks): codes/scales laid out chunk after chunk."""
-    chunks = x.reshape(-1, chunk_elems)[order]
-    parts = [quantize_ref(c, block_elems, bits) for c in chunks]
-    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    if bits not in QMAX:
+        raise ValueError(f"bits={bits} is not supported. Fix: use 8 or 4.")
+    chunks = x.reshape(-1, chunk_elems)
+    slots, b = len(order), block_elems
+    codes, scales = _empty_quantized(chunk_elems, b, bits, slots, x.device)
+    codes_per, scales_per = codes.numel() // max(slots, 1), num_blocks(chunk_elems, b)
+    if slots and slots * scales_per * b <= _CHUNK_ELEMS:  # small: every slot in one chunk
+        sc = _scratch(slots * scales_per, b, bits, x.device)
+        y = sc.f32(slots * scales_per, b)
+        yv = y.view(slots, scales_per * b)
+        idx = torch.tensor(order, dtype=torch.long).remainder_(chunks.shape[0]).to(x.device)
+        if yv.shape[1] == chunk_elems and chunks.dtype == torch.float32:
+            torch.index_select(chunks, 0, idx, out=yv)  # (index_select: 6x faster than chunks[order])
+        else:
+            yv[:, chunk_elems:] = 0.0
+            yv[:, :chunk_elems] = torch.index_select(chunks, 0, idx)
+        _quantize_rows(y, codes, scales, bits, sc)
+        return codes, scales
+    sc = _scratch(scales_per, b, bits, x.device)
+    for slot, i in enumerate(order):  # big slots, one per destination rank: per-slot chunks
+        _quantize_flat_into(chunks[i], codes[slot * codes_per : (slot + 1) * codes_per],
+                            scales[slot * scales_per : (slot + 1) * scales_per], b, bits, sc)  # fmt: skip
+    return codes, scales
 
 
 def dequant_reduce_quantize_ref(
@@ -100,16 +312,45 @@ def dequant_reduce_quantize_ref(
     requantize: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
     """``sources`` quantized copies of a ``numel``-element tensor, back to back -> their fp32
-    sum, requantized (or returned as fp32 when ``requantize`` is False)."""
-    per_codes = codes.numel() // sources
-    per_scales = scales.numel() // sources
-    total = torch.zeros(numel, dtype=torch.float32, device=codes.device)
-    for s in range(sources):
-        total += dequantize_ref(
-            codes[s * per_codes : (s + 1) * per_codes],
-            scales[s * per_scales : (s + 1) * per_scales],
-            block_elems,
-            numel,
-            bits,
-        )
-    return quantize_ref(total, block_elems, bits) if requantize else total
+    sum, requantized (or returned as fp32 when ``requantize`` is False).
+
+    Chunk by chunk: the sum of a chunk's blocks over all sources is requantized while it is
+    still in cache. The sum is in source order (see [Note: fast CPU reference])."""
+    b = block_elems
+    per_codes, per_scales = codes.numel() // sources, scales.numel() // sources
+    src_codes = [codes[s * per_codes : (s + 1) * per_codes] for s in range(sources)]
+    src_scales = [scales[s * per_scales : (s + 1) * per_scales] for s in range(sources)]
+    nb, full = num_blocks(numel, b), numel // b
+    sc = _scratch(nb, b, bits, codes.device)
+    acc = torch.empty(min(max(nb, 1), _chunk_rows(b)) * b, dtype=torch.float32, device=codes.device)
+    if requantize:
+        out_codes, out_scales = _empty_quantized(numel, b, bits, 1, codes.device)
+    else:
+        total = torch.empty(numel, dtype=torch.float32, device=codes.device)
+
+    def reduce_rows(r0: int, r1: int, y: torch.Tensor) -> None:
+        """y (r1 - r0, B) fp32 = sum over sources of blocks r0..r1-1."""
+        for s in range(sources):
+            d = y if s == 0 else sc.f32(r1 - r0, b)
+            _dequantize_rows(_code_slice(src_codes[s], r0, r1, b, bits), src_scales[s][r0:r1], d, bits, sc)
+            if s:
+                y.add_(d)
+
+    step = _chunk_rows(b)
+    for r0 in range(0, full, step):
+        r1 = min(full, r0 + step)
+        if requantize:
+            y = acc[: (r1 - r0) * b].view(r1 - r0, b)
+            reduce_rows(r0, r1, y)
+            _quantize_rows(y, _code_slice(out_codes, r0, r1, b, bits), out_scales[r0:r1], bits, sc)
+        else:
+            reduce_rows(r0, r1, total[r0 * b : r1 * b].view(r1 - r0, b))
+    if full < nb:  # the partial last block: zero past numel, as a numel-element sum would be
+        y = acc[:b].view(1, b)
+        reduce_rows(full, nb, y)
+        y[0, numel - full * b :] = 0.0
+        if requantize:
+            _quantize_rows(y, _code_slice(out_codes, full, nb, b, bits), out_scales[full:], bits, sc)
+        else:
+            total[full * b :] = y[0, : numel - full * b]
+    return (out_codes, out_scales) if requantize else total
