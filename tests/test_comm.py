@@ -504,3 +504,70 @@ def test_fsdp2_with_ledger_comms_matches_single_process(four_ranks):
         # The root stays unsharded after forward, so only fc1 and fc2 gather again.
         assert out["bwd"] == (non_root, 2 * non_root, 2)
         assert out["grad"] == (every, 2 * every, 3)
+
+
+# -- deferred reduce-scatter (no process group needed) ------------------------------------------
+
+
+def test_deferral_waits_at_end_of_backward_and_raises_job_errors():
+    from zeropp_strategy.comm.comm_thread import BackwardDeferral, CommThread
+
+    thread = CommThread()
+    deferral = BackwardDeferral(thread, groups=None)  # the jobs below ignore the groups
+    out = torch.zeros(3)
+    started = threading.Event()
+
+    def slow_job(_groups) -> None:
+        started.wait(5)
+        out.fill_(7.0)
+
+    class Hook(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):  # noqa: ANN001, ANN205
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):  # noqa: ANN001, ANN205
+            deferral.submit(slow_job)  # returns before the job ran
+            assert out.sum() == 0
+            started.set()
+            return g
+
+    x = torch.ones(2, requires_grad=True)
+    Hook.apply(x).sum().backward()
+    assert out.tolist() == [7.0, 7.0, 7.0]  # finished before backward() returned
+
+    def failing_job(_groups) -> None:
+        raise RuntimeError("reduce failed on the comm thread")
+
+    class Failing(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):  # noqa: ANN001, ANN205
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):  # noqa: ANN001, ANN205
+            deferral.submit(failing_job)
+            return g
+
+    with pytest.raises(RuntimeError, match="reduce failed on the comm thread"):
+        Failing.apply(torch.ones(2, requires_grad=True)).sum().backward()
+    deferral.submit(lambda _groups: out.fill_(1.0))  # outside backward: runs and is waited at once
+    assert out.tolist() == [1.0, 1.0, 1.0]
+    thread.close()
+
+
+def test_deferrable_only_when_fsdp_merely_views_the_output():
+    from zeropp_strategy.comm.collectives import deferrable
+
+    p = nn.Parameter(torch.zeros(4))
+    out = torch.empty(2)
+    assert deferrable([p], out, dist.ReduceOp.AVG)
+    assert not deferrable([p], out, dist.ReduceOp.SUM)  # FSDP post-divides after a SUM
+    assert not deferrable([p], out.to(torch.bfloat16), dist.ReduceOp.AVG)  # FSDP casts the output
+    assert not deferrable([], out, dist.ReduceOp.AVG)
+    p.grad = torch.zeros(4)  # FSDP would accumulate into it at once
+    assert not deferrable([p], out, dist.ReduceOp.AVG)
+    p.grad = None
+    p.register_post_accumulate_grad_hook(lambda t: None)
+    assert not deferrable([p], out, dist.ReduceOp.AVG)

@@ -503,6 +503,7 @@ _FIELD_VALUES = {
     "allgather_bucket_bytes": _mostly(st.integers(1000, 2**30)),
     "state_dict_type": _mostly(st.sampled_from([None, "sharded", "full", "FULL"])),
     "gather_16bit": _mostly(st.sampled_from([None, True, False])),
+    "reduce_dtype": _mostly(st.sampled_from([None, "fp32", "bf16", "fp16", "BF16", "int8"])),
     "simulated_nodes": _mostly(st.integers(-1, 8)),
     "peer_timeout": _mostly(st.one_of(st.floats(-1, 100), st.integers(-1, 100))),
 }
@@ -538,6 +539,7 @@ _ds_value = st.one_of(_junk, st.just("auto"), st.sampled_from([1e3, "5e8", 2e9, 
 @given(st.fixed_dictionaries({}, optional={
     "bf16": st.one_of(st.fixed_dictionaries({"enabled": st.one_of(st.booleans(), st.just("auto"))}), _junk),
     "gradient_clipping": _junk,
+    "communication_data_type": st.one_of(_junk, st.sampled_from(["bf16", "fp16", "fp32", "bfloat16", "auto", "fp8"])),
     "zero_optimization": st.one_of(_junk, st.fixed_dictionaries({}, optional={
         "stage": st.one_of(st.integers(0, 4), _ds_value), "zero_quantized_weights": _ds_value,
         "zero_hpz_partition_size": st.one_of(st.integers(1, 8), _ds_value),
@@ -552,6 +554,18 @@ def test_property_from_deepspeed(ds):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ZeroConfigWarning)
         _check(lambda: ZeroConfig.from_deepspeed(ds))
+
+
+def test_reduce_dtype_and_deepspeed_communication_data_type():
+    assert ZeroConfig().reduce_dtype is None
+    assert ZeroConfig(reduce_dtype="bf16").reduce_dtype == "bf16"
+    with pytest.raises(ValueError, match=r"ZeroConfig.reduce_dtype='int8' is invalid.*Fix: use reduce_dtype='fp32'"):
+        ZeroConfig(reduce_dtype="int8")
+    ds = {"zero_optimization": {"stage": 3}}
+    for given, want in (("bf16", "bf16"), ("bfloat16", "bf16"), ("FP16", "fp16"), ("fp32", "fp32"), ("auto", None)):
+        assert ZeroConfig.from_deepspeed({**ds, "communication_data_type": given}).reduce_dtype == want
+    with pytest.raises(ValueError, match=r"communication_data_type='fp8' is invalid"):
+        ZeroConfig.from_deepspeed({**ds, "communication_data_type": "fp8"})
 
 
 def test_coerce_accepts_every_config_form(tmp_path):

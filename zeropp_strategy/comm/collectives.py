@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from zeropp_strategy.comm.comm_thread import BackwardDeferral
 from zeropp_strategy.comm.hierarchical import NodeGroups, all_gather, native_all_gather, reduce_scatter
 from zeropp_strategy.comm.ledger import CommKind, CommLedger, Phase
 
@@ -35,6 +36,7 @@ __all__ = [
     "all_gather_into",
     "all_reduce",
     "broadcast",
+    "deferrable",
     "group_ranks",
     "ledger_allreduce_hook",
     "tensor_bytes",
@@ -110,17 +112,38 @@ class LedgerAllGather(EmptyAlloc, AllGather):
                           kind=param_gather_kind(self.ledger), nodes=self.nodes, async_op=async_op)
 
 
+def deferrable(params: Sequence[torch.Tensor], output: torch.Tensor, op: _ReduceOp) -> bool:
+    """True when FSDP2 will only *view* ``output`` after the reduce-scatter call, so the
+    reduce may finish later ([Note: deferred reduce-scatter] in comm_thread.py): AVG (no
+    post-divide), host tensors, and for every parameter of the group no cast (same dtype),
+    no existing gradient to accumulate into and no post-accumulate-grad hook."""
+    return (
+        op == dist.ReduceOp.AVG
+        and output.device.type == "cpu"
+        and bool(params)
+        and all(p.dtype == output.dtype and p.grad is None and not getattr(p, "_post_accumulate_grad_hooks", None)
+                for p in params)
+    )
+
+
 class LedgerReduceScatter(EmptyAlloc, ReduceScatter):
     """FSDP2's gradient reduce-scatter, booked as ``GRAD_REDUCE``; ``op`` passes through.
 
-    Bytes per rank: ``output_tensor`` bytes (one chunk of the flat gradient, padding
-    included) to every other rank of ``group``; on gloo by all-to-all plus a local sum,
-    in two hops when the group spans nodes ([Note: two-hop collectives]).
+    Bytes per rank: ``output_tensor`` elements in ``wire_dtype`` (default: the gradient's
+    dtype; padding included) to every other rank of ``group``; on gloo by all-to-all plus
+    a local sum, in two hops when the group spans nodes ([Note: two-hop collectives]).
+    With a ``deferral`` and ``params`` (the group's sharded parameters, set by
+    ``install_comms``) it completes at the end of backward when it may ([Note: deferred
+    reduce-scatter]).
     """
 
-    def __init__(self, ledger: CommLedger, nodes: NodeGroups | None = None) -> None:
+    def __init__(self, ledger: CommLedger, nodes: NodeGroups | None = None, *, wire_dtype: torch.dtype | None = None,
+                 deferral: BackwardDeferral | None = None) -> None:
         self.ledger = ledger
         self.nodes = nodes
+        self.wire_dtype = wire_dtype
+        self.deferral = deferral
+        self.params: list[torch.Tensor] = []
 
     def __call__(
         self,
@@ -130,7 +153,16 @@ class LedgerReduceScatter(EmptyAlloc, ReduceScatter):
         op: _ReduceOp,
         async_op: bool = False,
     ) -> dist.Work | None:
-        return reduce_scatter(output_tensor, input_tensor, group=group, ranks=group_ranks(group), op=op,
+        ranks = group_ranks(group)
+        if self.wire_dtype is not None and input_tensor.is_floating_point():
+            input_tensor = input_tensor.to(self.wire_dtype)
+        if self.deferral is not None and ranks == list(range(dist.get_world_size())) and deferrable(
+                self.params, output_tensor, op):
+            self.deferral.submit(lambda g: reduce_scatter(
+                output_tensor, input_tensor, group=g.world, ranks=ranks, op=op, ledger=self.ledger,
+                kind=CommKind.GRAD_REDUCE, nodes=g.nodes))
+            return None
+        return reduce_scatter(output_tensor, input_tensor, group=group, ranks=ranks, op=op,
                               ledger=self.ledger, kind=CommKind.GRAD_REDUCE, nodes=self.nodes, async_op=async_op)
 
 

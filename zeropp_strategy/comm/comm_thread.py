@@ -32,7 +32,7 @@ import torch.distributed as dist
 from zeropp_strategy.comm.hierarchical import NodeGroups
 from zeropp_strategy.topology import Topology
 
-__all__ = ["CommThread", "ThreadGroups"]
+__all__ = ["BackwardDeferral", "CommThread", "ThreadGroups"]
 
 
 @dataclass(frozen=True)
@@ -91,3 +91,48 @@ class CommThread:
         if thread is not None:
             self._jobs.put(None)
             thread.join()
+
+
+class BackwardDeferral:
+    """Gradient reduce-scatters that complete at the end of backward, not inline.
+
+    [Note: deferred reduce-scatter]
+    On the host FSDP2 calls the reduce-scatter synchronously and then only *views* its
+    output as the new sharded gradients (``foreach_reduce``), unless it must read the
+    output at once: a post-divide (fp16 reduce), a dtype cast (reduce dtype != parameter
+    dtype), accumulation into an existing ``.grad`` (backward twice without ``no_sync``),
+    or a post-accumulate-grad hook. When none of these applies (the comm object checks
+    each, see ``deferrable``), the reduce runs as a job on the comm thread ([Note: comm
+    thread]) and the call returns at once: backward goes on with the next block while the
+    gradients cross the link. The first deferred job of a backward queues an autograd
+    callback that waits for every pending job when the backward pass ends, before
+    ``loss.backward()`` returns; an error in a job is raised there. So nothing after
+    backward (clipping, the optimizer, a callback) can see an unfinished gradient.
+    """
+
+    def __init__(self, thread: CommThread, groups: ThreadGroups) -> None:
+        self.thread = thread
+        self.groups = groups
+        self._pending: list[torch.futures.Future] = []
+        self._lock = threading.Lock()
+        self._queued = False
+
+    def submit(self, job: Callable[[ThreadGroups], Any]) -> None:
+        """Run ``job(groups)`` on the comm thread; wait for it at the end of this backward."""
+        future = self.thread.submit(lambda: job(self.groups))
+        with self._lock:
+            self._pending.append(future)
+            queue = not self._queued
+            self._queued = True
+        if queue:
+            try:
+                torch.autograd.Variable._execution_engine.queue_callback(self.wait_all)
+            except RuntimeError:  # not inside a backward pass: nobody would wait, so wait now
+                self.wait_all()
+
+    def wait_all(self) -> None:
+        """Wait for every pending job (in order); raise the first error."""
+        with self._lock:
+            pending, self._pending, self._queued = self._pending, [], False
+        for future in pending:
+            future.wait()

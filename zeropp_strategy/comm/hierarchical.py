@@ -172,14 +172,21 @@ def reduce_scatter(
 ) -> dist.Work | None:
     """Reduce ``input`` (W chunks of ``output.numel()``) over ``group``; this rank keeps its
     chunk in ``output``. ``ranks``: the group's global ranks (``group_ranks(group)``).
+    ``input`` travels in its own dtype (the wire dtype); ``output`` may be wider (fp32 sums
+    of bf16 gradients land in fp32 without a last rounding).
 
     Bytes per rank: see [Note: two-hop collectives]; the ledger books what each hop sends.
     """
     s = output.numel()
     world = len(ranks)
     if has_native_reduce_scatter(input) or op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG) or world == 1:
-        ledger.record_reduce_scatter(kind, s * output.element_size(), ranks)
-        return native_reduce_scatter(output, input, group, op, async_op)
+        ledger.record_reduce_scatter(kind, s * input.element_size(), ranks)
+        if output.dtype == input.dtype:
+            return native_reduce_scatter(output, input, group, op, async_op)
+        # a wire dtype other than the gradient's (ZeroConfig.reduce_dtype): reduce in it, then cast
+        wire = torch.empty(s, dtype=input.dtype, device=input.device)
+        work = native_reduce_scatter(wire, input, group, op, async_op=True)
+        return _finish(work, lambda: output.copy_(wire.view_as(output)), async_op)
     if input.numel() != world * s:
         raise ValueError(f"reduce_scatter: input has {input.numel()} elements, expected {world} x {s}")
     avg = op == dist.ReduceOp.AVG

@@ -36,16 +36,19 @@ import torch.distributed as dist
 from zeropp_strategy.comm.collectives import (
     AllGather,
     EmptyAlloc,
+    LedgerReduceScatter,
     ReduceScatter,
+    deferrable,
     group_ranks,
     param_gather_kind,
     tensor_bytes,
 )
-from zeropp_strategy.comm.hierarchical import NodeGroups, all_gather, reduce_scatter
+from zeropp_strategy.comm.comm_thread import BackwardDeferral
+from zeropp_strategy.comm.hierarchical import NodeGroups, all_gather
 from zeropp_strategy.comm.ledger import CommKind, CommLedger
 from zeropp_strategy.kernels import (
     dequant_reduce_quantize,
-    dequantize,
+    dequantize_gathered,
     num_blocks,
     padded_numel,
     quantize,
@@ -57,10 +60,6 @@ from zeropp_strategy.topology import Topology
 def _pack(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """codes (int8/uint8) + fp32 scales -> one uint8 payload."""
     return torch.cat([codes.view(torch.uint8).reshape(-1), scales.contiguous().view(torch.uint8).reshape(-1)])
-
-
-def _unpack(payload: torch.Tensor, code_bytes: int, code_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    return payload[:code_bytes].view(code_dtype), payload[code_bytes:].view(torch.float32)
 
 
 class QuantizedAllGather(EmptyAlloc, AllGather):
@@ -96,10 +95,8 @@ class QuantizedAllGather(EmptyAlloc, AllGather):
 
         def dequantize_all() -> None:
             # Every part, this rank's own too: all ranks must compute with the same weights.
-            parts = gathered.view(world, payload.numel())
-            for r in range(world):
-                c, s = _unpack(parts[r], codes.numel(), torch.int8)
-                output_tensor[r * n : (r + 1) * n].copy_(dequantize(c, s, self.block_elems, n, 8, output_tensor.dtype))
+            dequantize_gathered(gathered.view(world, payload.numel()), code_bytes=codes.numel(), numel=n,
+                                block_elems=self.block_elems, out=output_tensor)
 
         return all_gather(gathered, payload, group=group, ranks=ranks, ledger=self.ledger, kind=kind,
                           nodes=self.nodes, async_op=async_op, baseline_bytes=tensor_bytes(input_tensor),
@@ -121,6 +118,7 @@ class HierarchicalQuantReduceScatter(EmptyAlloc, ReduceScatter):
         min_elems: int,
         on_single_node: bool,
         nodes: NodeGroups | None = None,
+        deferral: BackwardDeferral | None = None,
     ) -> None:
         self.ledger = ledger
         self.topology = topology
@@ -130,11 +128,16 @@ class HierarchicalQuantReduceScatter(EmptyAlloc, ReduceScatter):
         self.block_elems = block_elems
         self.min_elems = min_elems
         self.on_single_node = on_single_node
-        self.nodes = nodes  # for the plain fallback's two hops
+        # The plain fallback (small or non-float tensors, one node), deferred alike.
+        self.plain = LedgerReduceScatter(ledger, nodes, deferral=deferral)
 
-    def _plain(self, output_tensor, input_tensor, group, op, async_op):  # noqa: ANN001
-        return reduce_scatter(output_tensor, input_tensor, group=group, ranks=group_ranks(group), op=op,
-                              ledger=self.ledger, kind=CommKind.GRAD_REDUCE, nodes=self.nodes, async_op=async_op)
+    @property
+    def params(self) -> list[torch.Tensor]:
+        return self.plain.params
+
+    @params.setter
+    def params(self, value: list[torch.Tensor]) -> None:  # install_comms binds the group's parameters
+        self.plain.params = value
 
     def __call__(
         self,
@@ -155,7 +158,21 @@ class HierarchicalQuantReduceScatter(EmptyAlloc, ReduceScatter):
             and (topo.num_nodes > 1 or self.on_single_node)
         )
         if not usable:
-            return self._plain(output_tensor, input_tensor, group, op, async_op)
+            return self.plain(output_tensor, input_tensor, group, op, async_op)
+        deferral = self.plain.deferral
+        if deferral is not None and deferrable(self.params, output_tensor, op):
+            deferral.submit(lambda g: self._quantized(output_tensor, input_tensor, op, g.nodes.intra_group,
+                                                      g.nodes.inter_group))
+            return None
+        self._quantized(output_tensor, input_tensor, op, self.intra_group, self.inter_group)
+        return None
+
+    def _quantized(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, op: dist.ReduceOp,
+                   intra_group: dist.ProcessGroup, inter_group: dist.ProcessGroup) -> None:
+        """The two quantized hops of [Note: qgZ], over the given node groups (the comm
+        thread's own when deferred)."""
+        topo = self.topology
+        s = output_tensor.numel()
         M, L, B, bits = topo.num_nodes, topo.ranks_per_node, self.block_elems, self.bits
         s_pad = padded_numel(s, B)
         code_bytes = s_pad * bits // 8  # per chunk
@@ -171,7 +188,7 @@ class HierarchicalQuantReduceScatter(EmptyAlloc, ReduceScatter):
         send = torch.cat([codes.view(torch.uint8), scales.contiguous().view(torch.uint8).view(L, -1)], dim=1)
         recv = torch.empty_like(send)
         self._book(step=1, seg_bytes=send.shape[1], out_bytes=tensor_bytes(output_tensor))
-        dist.all_to_all_single(recv, send.contiguous(), group=self.intra_group)
+        dist.all_to_all_single(recv, send.contiguous(), group=intra_group)
         src_codes = recv[:, : M * code_bytes].reshape(-1).view(code_dtype)
         src_scales = recv[:, M * code_bytes :].reshape(-1).view(torch.float32)
         if M == 1:
@@ -188,7 +205,7 @@ class HierarchicalQuantReduceScatter(EmptyAlloc, ReduceScatter):
             )
             recv2 = torch.empty_like(send2)
             self._book(step=2, seg_bytes=chunk_q, out_bytes=0)
-            dist.all_to_all_single(recv2, send2.contiguous(), group=self.inter_group)
+            dist.all_to_all_single(recv2, send2.contiguous(), group=inter_group)
             total = dequant_reduce_quantize(
                 recv2[:, :code_bytes].reshape(-1).view(code_dtype),
                 recv2[:, code_bytes:].reshape(-1).view(torch.float32),

@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from zeropp_strategy.comm.collectives import all_reduce
-from zeropp_strategy.comm.comm_thread import CommThread, ThreadGroups
+from zeropp_strategy.comm.comm_thread import BackwardDeferral, CommThread, ThreadGroups
 from zeropp_strategy.comm.hierarchical import NodeGroups
 from zeropp_strategy.comm.ledger import CommKind, CommLedger
 from zeropp_strategy.config import ZeroConfig
@@ -127,10 +127,11 @@ class ZeroEngine:
         self._prepared = 0
         self.watchdog: PeerWatchdog | None = None  # set by start; see [Note: peer watchdog]
         self.nodes = NodeGroups(topology, intra_group=meshes.intra_group, inter_group=meshes.inter_group)
-        # Stage 1's gradient reduce runs on a thread with groups of its own ([Note: comm thread]);
-        # created by the first wrap_ddp, shared by every DDP model of this engine.
+        # Gradient reduces run on a thread with groups of its own ([Note: comm thread]), made by
+        # the first model set up and shared by every model of this engine (one order of jobs).
         self._comm_thread: CommThread | None = None
         self._thread_groups: ThreadGroups | None = None
+        self._deferral: BackwardDeferral | None = None
 
     @classmethod
     def start(
@@ -225,11 +226,29 @@ class ZeroEngine:
                     min_elems=cfg.quantize_min_elems,
                     on_single_node=cfg.quantized_gradients_on_single_node,
                     nodes=self.nodes,
+                    deferral=self.deferral(),
                 )
 
             reduce_scatter = quantized_reduce_scatter
 
         return all_gather, reduce_scatter
+
+    def comm_thread(self) -> tuple[CommThread, ThreadGroups]:
+        """The comm thread and its process groups; created by the first call, which is
+        collective: every rank sets up the same models in the same order."""
+        if self._comm_thread is None or self._thread_groups is None:
+            self._thread_groups = ThreadGroups.create(self.topology)
+            self._comm_thread = CommThread()
+        return self._comm_thread, self._thread_groups
+
+    def deferral(self) -> BackwardDeferral | None:
+        """Stages 2/3 on the host: reduce-scatters finish at the end of backward ([Note:
+        deferred reduce-scatter]). None on accelerators, where FSDP2's streams overlap them."""
+        if self.device.type != "cpu" or self.world_size == 1:
+            return None
+        if self._deferral is None:
+            self._deferral = BackwardDeferral(*self.comm_thread())
+        return self._deferral
 
     def reduce_dtype(self) -> torch.dtype | None:
         """The gradient reduce's dtype from ``ZeroConfig.reduce_dtype`` (None: the precision's own)."""
@@ -251,11 +270,9 @@ class ZeroEngine:
         # DDP broadcast rank 0's parameters and buffers at construction: book it.
         state_bytes = sum(t.numel() * t.element_size() for t in module.state_dict().values())
         self.ledger.record_broadcast(CommKind.OTHER, state_bytes, 0, list(range(self.world_size)))
-        if self._thread_groups is None:  # collective: every rank wraps the same models in the same order
-            self._thread_groups = ThreadGroups.create(self.topology)
-            self._comm_thread = CommThread()
-        state = PartitionedReduce(self.ledger, self._thread_groups, rank=self.rank, world=self.world_size,
-                                  wire_dtype=self.reduce_dtype(), thread=self._comm_thread)
+        thread, groups = self.comm_thread()
+        state = PartitionedReduce(self.ledger, groups, rank=self.rank, world=self.world_size,
+                                  wire_dtype=self.reduce_dtype(), thread=thread)
         ddp.register_comm_hook(state, partitioned_reduce_hook)
         return ddp
 
@@ -267,10 +284,11 @@ class ZeroEngine:
             self.config,
             mesh=self.meshes.world,
             ledger=self.ledger,
-            mp_policy=self.precision.mp_policy(gather_16bit=self.config.gather_16bit is not False,
-                                               reduce_dtype=self.reduce_dtype()),
+            mp_policy=self.precision.mp_policy(gather_16bit=self.config.gather_16bit is not False),
             device=self.device,
             nodes=self.nodes,
+            wire_dtype=self.reduce_dtype(),
+            deferral=self.deferral(),
             reshard_after_forward=self.reshard_after_forward(),
             all_gather=all_gather,
             reduce_scatter=reduce_scatter,

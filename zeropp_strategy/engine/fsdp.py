@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from zeropp_strategy.comm.collectives import LedgerAllGather, LedgerReduceScatter
+from zeropp_strategy.comm.comm_thread import BackwardDeferral
 from zeropp_strategy.comm.hierarchical import NodeGroups
 from zeropp_strategy.comm.ledger import CommLedger
 from zeropp_strategy.config import ZeroConfig
@@ -109,6 +110,8 @@ def shard_module(
     all_gather: Callable[[], object] | None = None,
     reduce_scatter: Callable[[], object] | None = None,
     nodes: NodeGroups | None = None,
+    wire_dtype: torch.dtype | None = None,
+    deferral: BackwardDeferral | None = None,
 ) -> list[nn.Module]:
     """Shard ``root`` in place for stage 2/3; returns the blocks that became groups."""
     if config.stage not in (2, 3):
@@ -154,7 +157,8 @@ def shard_module(
     # FSDP2's own advice is not to reshard the root after forward.
     fully_shard(root, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy, ignored_params=ignored,
                 offload_policy=offload)
-    install_comms(root, ledger, all_gather=all_gather, reduce_scatter=reduce_scatter, nodes=nodes)
+    install_comms(root, ledger, all_gather=all_gather, reduce_scatter=reduce_scatter, nodes=nodes,
+                  wire_dtype=wire_dtype, deferral=deferral)
     set_prefetch(root, blocks)
     # Offloaded shards are initialized where they rest; buffers go to the device later.
     materialize(root, torch.device("cpu") if isinstance(offload, CPUOffloadPolicy) else device)
@@ -213,12 +217,22 @@ def install_comms(
     all_gather: Callable[[], object] | None = None,
     reduce_scatter: Callable[[], object] | None = None,
     nodes: NodeGroups | None = None,
+    wire_dtype: torch.dtype | None = None,
+    deferral: BackwardDeferral | None = None,
 ) -> None:
     """Give every FSDP group its own ledger-recording (or ZeRO++) comm objects; the plain
-    ones go in two hops across nodes when ``nodes`` is given."""
+    ones go in two hops across nodes when ``nodes`` is given, reduce gradients in
+    ``wire_dtype`` (``ZeroConfig.reduce_dtype``) and finish at the end of backward through
+    ``deferral`` where they may. Each reduce-scatter learns its group's sharded parameters,
+    which decide whether it may be deferred ([Note: deferred reduce-scatter])."""
     for m in fsdp_modules(root):
         m.set_custom_all_gather(all_gather() if all_gather else LedgerAllGather(ledger, nodes))
-        m.set_custom_reduce_scatter(reduce_scatter() if reduce_scatter else LedgerReduceScatter(ledger, nodes))
+        rs = reduce_scatter() if reduce_scatter else LedgerReduceScatter(ledger, nodes, wire_dtype=wire_dtype,
+                                                                         deferral=deferral)
+        nested = {id(p) for sub in m.modules() if sub is not m and isinstance(sub, FSDPModule)
+                  for p in sub.parameters()}
+        rs.params = [p for p in m.parameters() if id(p) not in nested and isinstance(p, DTensor)]
+        m.set_custom_reduce_scatter(rs)
 
 
 def has_meta(module: nn.Module) -> bool:

@@ -1,0 +1,208 @@
+"""One training step's timeline on rank 0: compute and communication on separate lanes.
+
+    sudo python benchmarks/overlap_timeline.py                 # 200 Mbit/s, zeropp_stage_3 and zeropp
+    sudo python benchmarks/overlap_timeline.py --rate unlimited --png /tmp/t.png
+
+Runs ``bench_train.py``'s GPT-2 (4 x 256, micro-batch 4 x 128, bf16-mixed) on the simulated
+2-node x 2-rank cluster (benchmarks/simcluster.py) and records, on rank 0, for one step after
+the warm-up, with our own timestamps (``time.perf_counter``):
+
+- compute: each GPT2Block's forward (pre-hook to hook) and backward (backward pre-hook to
+  backward hook);
+- all-gather in flight: from the moment FSDP2 calls our comm object until the pending work's
+  ``wait()`` returns (the gather and, for qwZ, its dequantization ran somewhere in between);
+- waiting: the part of that in which the training thread was blocked in ``wait()``;
+- reduce-scatter: the (synchronous) gradient reduce-scatter call.
+
+The comm objects are wrapped after set-up (``set_custom_all_gather`` again, delegating to
+ours), so the product code carries no tracing. Writes the PNG and a JSON of the intervals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def worker(system: str, out: Path, trace_step: int, steps: int) -> None:
+    import torch
+    import torch.distributed as dist
+    from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+    from torch.distributed.fsdp import FSDPModule
+
+    from benchmarks.bench_train import OURS, gpt2, loader
+    from zeropp_strategy import ZeroPPStrategy
+    from zeropp_strategy.comm.collectives import AllGather, EmptyAlloc, ReduceScatter
+
+    torch.set_num_threads(1)
+    events: list[tuple[str, str, float, float]] = []  # (lane, label, start, end)
+    recording = {"on": False}
+    t0 = {"t": 0.0}
+
+    def add(lane: str, label: str, a: float, b: float) -> None:
+        if recording["on"]:
+            events.append((lane, label, a - t0["t"], b - t0["t"]))
+
+    class TimedWork(dist.Work):
+        def __init__(self, inner: dist.Work, issued: float, label: str) -> None:
+            super().__init__()
+            self.inner, self.issued, self.label = inner, issued, label
+
+        def wait(self, timeout=None) -> bool:  # noqa: ANN001
+            a = time.perf_counter()
+            self.inner.wait()
+            b = time.perf_counter()
+            add("all-gather in flight", self.label, self.issued, b)
+            add("waiting", self.label, a, b)
+            return True
+
+    class TimedGather(EmptyAlloc, AllGather):
+        def __init__(self, inner, label: str) -> None:  # noqa: ANN001
+            self.inner, self.label = inner, label
+
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):  # noqa: ANN001, ANN201
+            a = time.perf_counter()
+            work = self.inner(output_tensor, input_tensor, group, async_op)
+            if work is None:
+                add("all-gather in flight", self.label, a, time.perf_counter())
+                return None
+            return TimedWork(work, a, self.label)
+
+    class TimedReduce(EmptyAlloc, ReduceScatter):
+        def __init__(self, inner, label: str) -> None:  # noqa: ANN001
+            self.inner, self.label = inner, label
+
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):  # noqa: ANN001, ANN201
+            a = time.perf_counter()
+            work = self.inner(output_tensor, input_tensor, group, op, async_op)
+            if work is not None:
+                work.wait()
+            add("reduce-scatter", self.label, a, time.perf_counter())
+            return None
+
+    class GPT(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = None
+
+        def configure_model(self) -> None:
+            if self.model is None:
+                self.model = gpt2("small")
+
+        def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+            (ids,) = batch
+            return self.model(input_ids=ids, labels=ids).loss
+
+        def configure_optimizers(self):  # noqa: ANN201
+            return torch.optim.AdamW(self.parameters(), lr=5e-4)
+
+        def train_dataloader(self):  # noqa: ANN201
+            return loader(4)
+
+    class Instrument(Callback):
+        def on_fit_start(self, trainer, pl_module) -> None:  # noqa: ANN001
+            for i, block in enumerate(pl_module.model.transformer.h):
+                block.register_forward_pre_hook(lambda m, a, i=i: m.__dict__.__setitem__("_t", time.perf_counter()))
+                block.register_forward_hook(lambda m, a, o, i=i: add("compute", f"F{i}", m._t, time.perf_counter()))
+                block.register_full_backward_pre_hook(
+                    lambda m, g, i=i: m.__dict__.__setitem__("_tb", time.perf_counter()))
+                block.register_full_backward_hook(
+                    lambda m, gi, go, i=i: add("compute", f"B{i}", m._tb, time.perf_counter()))
+            names = {id(b): f"h{i}" for i, b in enumerate(pl_module.model.transformer.h)}
+            for m in trainer.strategy.model.modules():
+                if isinstance(m, FSDPModule):
+                    state = m._get_fsdp_state()
+                    group = state._fsdp_param_group
+                    if group is None:
+                        continue
+                    label = names.get(id(m), "root")
+                    m.set_custom_all_gather(TimedGather(group._all_gather_comm, label))
+                    m.set_custom_reduce_scatter(TimedReduce(group._reduce_scatter_comm, label))
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
+            recording["on"] = batch_idx == trace_step
+            t0["t"] = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+            if batch_idx == trace_step:
+                add("step", "step", t0["t"], time.perf_counter())
+                recording["on"] = False
+
+    nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    seed_everything(0)
+    trainer = Trainer(accelerator="cpu", devices=per_node, num_nodes=nodes, max_steps=steps,
+                      strategy=ZeroPPStrategy(wrap_modules=["GPT2Block"], **OURS[system]), precision="bf16-mixed",
+                      callbacks=[Instrument()], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, use_distributed_sampler=False)
+    trainer.fit(GPT())
+    if dist.get_rank() == 0:
+        out.write_text(json.dumps({"system": system, "events": events}))
+
+
+def render(traces: list[dict], png: Path, rate: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lanes = ["compute", "all-gather in flight", "waiting", "reduce-scatter"]
+    colors = {"compute": "#4c72b0", "all-gather in flight": "#dd8452", "waiting": "#c44e52", "reduce-scatter": "#55a868"}
+    fig, axes = plt.subplots(len(traces), 1, figsize=(11, 2.3 * len(traces)), squeeze=False)
+    for ax, trace in zip(axes[:, 0], traces):
+        step = next((e for e in trace["events"] if e[0] == "step"), None)
+        for y, lane in enumerate(lanes):
+            spans = [(a, b - a) for ln, _, a, b in trace["events"] if ln == lane]
+            # Overlapping spans of one lane (two gathers in flight) get thin offsets so both show.
+            for k, (a, w) in enumerate(spans):
+                off = 0.15 * (k % 2) if lane == "all-gather in flight" else 0
+                ax.broken_barh([(a, w)], (y - 0.35 + off, 0.55), color=colors[lane], edgecolor="black",
+                               linewidth=0.3)
+        ax.set_yticks(range(len(lanes)), lanes)
+        ax.invert_yaxis()
+        total = step[3] - step[2] if step else 0
+        ax.set_title(f"{trace['system']} at {rate}: one step on rank 0 ({total:.2f} s)", fontsize=10)
+        ax.set_xlabel("seconds from the step's start")
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rate", default="200mbit")
+    parser.add_argument("--systems", nargs="+", default=["zeropp_stage_3", "zeropp"])
+    parser.add_argument("--png", type=Path, default=ROOT / "docs" / "img" / "overlap_timeline.png")
+    parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "overlap_timeline.json")
+    parser.add_argument("--worker", nargs=2, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker[0], Path(args.worker[1]), trace_step=6, steps=8)
+        return
+    from benchmarks.simcluster import SimCluster
+
+    traces = []
+    with SimCluster(rate=args.rate) as cluster, tempfile.TemporaryDirectory() as tmp:
+        for system in args.systems:
+            out = Path(tmp) / f"{system}.json"
+            res = cluster.run([sys.executable, str(Path(__file__).resolve()), "--worker", system, str(out)],
+                              nproc_per_node=2, timeout_s=600, env={"PYTHONPATH": str(ROOT)})
+            if not out.exists():
+                raise SystemExit(f"{system} failed: {res.returncodes}\n" + "\n".join(o[-3000:] for o in res.outputs))
+            traces.append(json.loads(out.read_text()))
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"rate": args.rate, "traces": traces}))
+    render(traces, args.png, args.rate)
+    print(f"wrote {args.png} and {args.json}")
+
+
+if __name__ == "__main__":
+    main()
