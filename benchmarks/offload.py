@@ -4,6 +4,7 @@
     python benchmarks/offload.py --part adam --adam-sizes 1M,16M,64x256K
     python benchmarks/offload.py --part swap --dir path/on/nvme --state-mib 256
     python benchmarks/offload.py --part e2e --devices 2
+    python benchmarks/offload.py --part param --devices 2 --rounds 3   # offload_param="nvme" vs none
     python benchmarks/offload.py --part all --quick --out-dir some/tmp/dir   # smoke test, tiny sizes
 
 Each part writes ``<out-dir>/offload_<part>.json`` (default ``benchmarks/results/``) and
@@ -23,16 +24,18 @@ timed steps; ratios are throughput over the fused kernel's.
 
 ``swap``: NVMe swap bandwidth, in the directory ``--dir`` (default: a new temporary
 directory under the current directory, removed afterwards). (a) The drive's sequential
-bandwidth with ``dd`` (8 MiB blocks, ``oflag=direct conv=fdatasync`` to write,
-``iflag=direct`` to read; without the direct flags if dd refuses them) and
-with ``fio`` if it is installed. (b) Our swap path: an ``OffloadOptimizer`` with
+bandwidth, the *reference*: with ``fio`` where it is installed (8 MiB requests, ``psync``,
+1 and 4 jobs, ``--direct=1`` unless refused; per direction the faster job count), else
+with ``dd`` (8 MiB blocks, ``oflag=direct conv=fdatasync`` to write, ``iflag=direct`` to
+read; without the direct flags if dd refuses them). The JSON's ``reference`` says which
+tool and job gave each figure. (b) Our swap path: an ``OffloadOptimizer`` with
 ``device="nvme"`` over ``--state-mib`` MiB of fp32 AdamW state (the step reads and writes
 all of it, so I/O dominates; the same step with the state in RAM is timed beside it),
 reported as (bytes read + bytes written per step) / step time and as a fraction of what
-dd's bandwidths would need for the same bytes (``R/dd_read + W/dd_write``) over the step
+the reference bandwidths would need for the same bytes (``R/read + W/write``) over the step
 time; and the raw ``SwapFile.write_from`` (+ fsync) / ``read_into`` of one ``--size-mib``
 buffer, ``O_DIRECT`` and buffered, for each ``--io-threads`` and ``--io-block-mib``,
-as a fraction of dd's write/read bandwidth (target >= 0.70). As root, the page cache is
+as a fraction of the reference write/read bandwidth (target >= 0.70). As root, the page cache is
 dropped before every buffered read (``sync; echo 3 > /proc/sys/vm/drop_caches``) so
 that buffered reads come from the drive; the JSON records whether that succeeded. Not
 root: buffered reads may come from the page cache and overstate the drive. Every row
@@ -50,6 +53,21 @@ between batch ends after ``--e2e-warmup`` steps, optimizer time the median of
 (batch end - before optimizer step). Overhead is relative to no offload. Each cell runs
 in its own process (``--devices 2`` launches 2 CPU ranks through Lightning), except under
 ``--quick`` with one device, where the cells run one after another in this process.
+Each cell also records rank 0's CPU seconds, page faults and block I/O per step
+(``getrusage``, all its threads) and, with ``offload_param="nvme"``, the parameter
+store's ``io_stats()``.
+
+``param``: ``offload_param="nvme"`` against no offload (issue 18 item 6: target step time
+<= 1.3x), stage 3, fp32 (the e2e model has no precision flag): the e2e cells ``none``,
+``param_nvme`` (your AdamW steps the mapped shards) and ``opt_nvme_param_nvme``
+(``zeropp_offload_nvme``'s placement), ``--rounds`` times, interleaved, so that a slow
+spell of a shared machine lands on both sides of a ratio. Reported per round: the step
+time ratio to ``none`` of the same round, rank 0's CPU-time ratio (less sensitive to
+other load on the machine than wall time), the major page faults per all-gather copy-in
+(pages the read-ahead missed) and the time the step waited for the write-behind; then
+the range and median of the ratios. To measure code from another commit with this
+benchmark: ``git archive <commit> zeropp_strategy | tar -x -C /tmp/base`` and run it with
+``PYTHONPATH=/tmp/base`` (the JSON records which ``zeropp_strategy`` each cell imported).
 """
 
 from __future__ import annotations
@@ -75,8 +93,8 @@ MiB = 2**20
 RESULTS = Path(__file__).resolve().parent / "results"
 ADAM_IMPLS = ("forloop", "foreach", "fused", "ours")
 ADAM_BYTES_PER_ELEM = 28  # fp32: read param, grad, exp_avg, exp_avg_sq; write param, exp_avg, exp_avg_sq
-E2E_CELLS = ("none", "none_fused", "opt_cpu", "opt_nvme", "opt_cpu_param_cpu", "opt_nvme_param_nvme")
-TARGET = 0.70  # swap path bandwidth / dd bandwidth
+E2E_CELLS = ("none", "none_fused", "opt_cpu", "opt_nvme", "opt_cpu_param_cpu", "opt_nvme_param_nvme", "param_nvme")
+TARGET = 0.70  # swap path bandwidth / the drive's (fio, else dd)
 
 
 # -- helpers ------------------------------------------------------------------------------------
@@ -483,23 +501,45 @@ def part_swap(args: argparse.Namespace, d: Path) -> dict:
     drop = not args.no_drop_caches
     res: dict = {"part": "swap", "dir_fs": fs_info(d), "running_as_root": hasattr(os, "geteuid") and os.geteuid() == 0}
     res["page_cache_drop_works"] = drop_caches(drop)
-    res["dd"] = dd_bandwidth(d, args.size_mib, drop)
     res["fio"] = fio_bandwidth(d, args.size_mib, drop)
+    res["reference"] = reference_bandwidth(res["fio"], None)
+    res["dd"] = None  # only where fio is missing or failed
+    if any("Bps" not in v for v in res["reference"].values()):
+        res["dd"] = dd_bandwidth(d, args.size_mib, drop)
+        res["reference"] = reference_bandwidth(res["fio"], res["dd"])
     res["raw"] = raw_swapfile(d, args, drop)
     res["optimizer"] = nvme_optimizer(d, args, drop)
-    dw, dr = res["dd"].get("write", {}).get("Bps"), res["dd"].get("read", {}).get("Bps")
+    dw, dr = res["reference"]["write"].get("Bps"), res["reference"]["read"].get("Bps")
     for r in res["raw"]:
-        r["write_vs_dd"] = r["write_Bps"] / dw if dw else None
-        r["read_vs_dd"] = r["read_Bps"] / dr if dr else None
+        r["write_vs_disk"] = r["write_Bps"] / dw if dw else None
+        r["read_vs_disk"] = r["read_Bps"] / dr if dr else None
     for r in res["optimizer"]["rows"]:
         if dw and dr:
-            dd_s = r["read_bytes_per_step"] / dr + r["write_bytes_per_step"] / dw
-            r["dd_equivalent_s"] = dd_s
-            r["vs_dd"] = dd_s / r["step_s"]
+            disk_s = r["read_bytes_per_step"] / dr + r["write_bytes_per_step"] / dw
+            r["disk_equivalent_s"] = disk_s
+            r["vs_disk"] = disk_s / r["step_s"]
         else:
-            r["vs_dd"] = None
-    res["target_vs_dd"] = TARGET
+            r["vs_disk"] = None
+    res["target_vs_disk"] = TARGET
     return res
+
+
+def reference_bandwidth(fio: dict | None, dd: dict | None) -> dict:
+    """Per direction, the drive's sequential bandwidth and the tool that measured it: fio's
+    faster job count (direct I/O preferred), else dd's figure."""
+    ref: dict = {}
+    for what in ("write", "read"):
+        runs = [(k, v) for k, v in (fio or {}).items() if k.startswith(what) and "Bps" in v]
+        if runs:
+            key, run = max(runs, key=lambda kv: (kv[1]["direct"], kv[1]["Bps"]))
+            ref[what] = {"tool": "fio", "job": key, "Bps": run["Bps"], "direct": run["direct"],
+                         "command": run["command"]}
+        elif dd is not None and "Bps" in dd.get(what, {}):
+            run = dd[what]
+            ref[what] = {"tool": "dd", "Bps": run["Bps"], "direct": run["direct"], "command": run["command"]}
+        else:
+            ref[what] = {"tool": None, "error": "neither fio nor dd measured it"}
+    return ref
 
 
 def _mode(direct: bool) -> str:
@@ -518,7 +558,9 @@ def print_swap(res: dict) -> None:
           f"({fs.get('mount_source', '?')}); page cache dropped before reads: {res['page_cache_drop_works']}\n")
     rows = []
     for what in ("write", "read"):
-        r = res["dd"].get(what, {})
+        r = (res["dd"] or {}).get(what)
+        if r is None:
+            continue
         if "Bps" in r:
             rows.append([f"dd {what}", _mode(r["direct"]), f"{r['bytes'] / MiB:.0f}", f"{r['Bps'] / 1e6:.0f}"])
         else:
@@ -530,17 +572,21 @@ def print_swap(res: dict) -> None:
             rows.append([f"fio {key}", "-", "-", r.get("error", "-")])
     print(_md(["tool", "I/O mode", "MiB", "MB/s"], rows))
     if res["fio"] is None:
-        print("\nfio: not installed, skipped.")
+        print("\nfio: not installed, skipped; dd gives the reference.")
+    ref = res["reference"]
+    tools = {what: (f"{r['tool']} {r.get('job', '')}".strip() if r["tool"] else "none") for what, r in ref.items()}
+    print(f"\nReference (the drive's sequential bandwidth): write {ref['write'].get('Bps', 0) / 1e6:.0f} MB/s "
+          f"({tools['write']}), read {ref['read'].get('Bps', 0) / 1e6:.0f} MB/s ({tools['read']})")
 
     print(f"\nRaw SwapFile path, one buffer of {res['raw'][0]['bytes'] / MiB:.0f} MiB (write includes fsync), "
-          f"median of repeats; fraction of dd (target >= {TARGET}):\n" if res["raw"] else "")
+          f"median of repeats; fraction of the reference (target >= {TARGET}):\n" if res["raw"] else "")
     rows = []
     for r in res["raw"]:
         mode = _mode(r["direct"]) + ("" if r["direct"] == r["direct_asked"] else " (O_DIRECT refused)")
         rows.append([mode, str(r["io_threads"]), str(r["io_block_mib"]), f"{r['write_Bps'] / 1e6:.0f}",
-                     _frac(r["write_vs_dd"]), f"{r['read_Bps'] / 1e6:.0f}", _frac(r["read_vs_dd"]),
+                     _frac(r["write_vs_disk"]), f"{r['read_Bps'] / 1e6:.0f}", _frac(r["read_vs_disk"]),
                      "yes" if r["data_ok"] else "NO"])
-    print(_md(["I/O mode", "io_threads", "block MiB", "write MB/s", "write / dd", "read MB/s", "read / dd",
+    print(_md(["I/O mode", "io_threads", "block MiB", "write MB/s", "write / ref", "read MB/s", "read / ref",
                "data ok"], rows))
 
     o = res["optimizer"]
@@ -553,9 +599,9 @@ def print_swap(res: dict) -> None:
         mode = _mode(r["direct"]) + (" + fsync" if r["fsync_in_timing"] else "")
         rows.append([mode, f"{r['step_s'] * 1e3:.1f}", f"{r['read_bytes_per_step'] / MiB:.0f}",
                      f"{r['write_bytes_per_step'] / MiB:.0f}", f"{r['Bps'] / 1e6:.0f}", f"{r['io_share']:.2f}",
-                     _frac(r["vs_dd"])])
+                     _frac(r["vs_disk"])])
     print(_md(["I/O mode", "step ms", "read MiB", "written MiB", "(R+W)/step MB/s", "I/O share of step",
-               "dd time / step time"], rows))
+               "reference time / step time"], rows))
 
 
 # -- e2e ----------------------------------------------------------------------------------------
@@ -624,6 +670,7 @@ def _e2e_strategy_kwargs(cell: str, d: Path, args: argparse.Namespace) -> dict:
         "opt_nvme": {"offload_optimizer": nvme},
         "opt_cpu_param_cpu": {"offload_optimizer": "cpu", "offload_param": "cpu"},
         "opt_nvme_param_nvme": {"offload_optimizer": nvme, "offload_param": {"device": "nvme", "nvme_path": str(d)}},
+        "param_nvme": {"offload_param": {"device": "nvme", "nvme_path": str(d)}},
     }[cell]
 
 
@@ -641,17 +688,19 @@ def run_e2e_cell(cell: str, args: argparse.Namespace, d: Path) -> dict:
         def __init__(self) -> None:
             self.before_opt: list[float] = []
             self.batch_end: list[float] = []
+            self.usage: list = []  # this rank's rusage at each batch end (all its threads)
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
             self.before_opt.append(time.perf_counter())
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             self.batch_end.append(time.perf_counter())
+            self.usage.append(resource.getrusage(resource.RUSAGE_SELF))
 
     for name in ("lightning.pytorch", "lightning.fabric", "lightning_fabric", "pytorch_lightning", "zeropp_strategy"):
         logging.getLogger(name).setLevel(logging.WARNING)
     stage = args.stage
-    if cell in ("opt_cpu_param_cpu", "opt_nvme_param_nvme") and stage != 3:
+    if "param" in cell and stage != 3:
         stage = 3  # parameter offload needs stage 3
     seed_everything(0, verbose=False)
     n_steps = args.e2e_warmup + args.e2e_steps + 1
@@ -666,6 +715,9 @@ def run_e2e_cell(cell: str, args: argparse.Namespace, d: Path) -> dict:
     )
     trainer.fit(module)
     stats = trainer.strategy.memory_stats()
+    stores = trainer.strategy.engine.param_stores
+    # offload_param="nvme": the store's I/O figures (a ParamStore before write-behind has none)
+    param_io = stores[0].io_stats() if stores and hasattr(stores[0], "io_stats") else None
     numel = sum(p.numel() for p in module.parameters())  # a DTensor's numel is the full parameter's
     for opt in trainer.optimizers:  # free swap files and buffers now (the strategy keeps them after fit)
         inner = getattr(opt, "optimizer", None)
@@ -677,12 +729,18 @@ def run_e2e_cell(cell: str, args: argparse.Namespace, d: Path) -> dict:
     ends, befores = timer.batch_end, timer.before_opt
     intervals = [b - a for a, b in zip(ends, ends[1:])][args.e2e_warmup :]
     opt_times = [e - b for b, e in zip(befores, ends)][args.e2e_warmup + 1 :]
+    first, last = timer.usage[args.e2e_warmup], timer.usage[-1]
+    per_step = {k: (getattr(last, f) - getattr(first, f)) / max(1, len(intervals)) for k, f in (
+        ("cpu_user_s", "ru_utime"), ("cpu_sys_s", "ru_stime"), ("minor_faults", "ru_minflt"),
+        ("major_faults", "ru_majflt"), ("blocks_in", "ru_inblock"), ("blocks_out", "ru_oublock"))}
     return {"cell": cell, "stage": stage, "devices": args.devices, "numel": numel, "steps_timed": len(intervals),
+            "rusage_per_step_rank0": per_step,
             "step_s": statistics.median(intervals), "step_times_s": intervals,
             "optimizer_s": statistics.median(opt_times) if opt_times else None,
             "offloaded_cpu_bytes": stats.offloaded_cpu_bytes, "offloaded_nvme_bytes": stats.offloaded_nvme_bytes,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "torch_threads": torch.get_num_threads()}
+            "torch_threads": torch.get_num_threads(), "param_io": param_io, "steps_total": n_steps,
+            "zeropp_strategy": str(Path(sys.modules["zeropp_strategy"].__file__).parent)}
 
 
 def _cell_argv(args: argparse.Namespace, cell: str, d: Path, out: Path) -> list[str]:
@@ -694,32 +752,36 @@ def _cell_argv(args: argparse.Namespace, cell: str, d: Path, out: Path) -> list[
     return argv
 
 
+def _run_cell(cell: str, args: argparse.Namespace, d: Path, in_process: bool) -> dict:
+    """One e2e cell, in this process or in its own; an error is reported, not raised."""
+    t0, load = time.perf_counter(), os.getloadavg()[0]
+    if in_process:
+        try:
+            res = run_e2e_cell(cell, args, d)
+        except Exception as e:  # noqa: BLE001 (report the cell, go on with the others)
+            res = {"cell": cell, "error": f"{type(e).__name__}: {e}"}
+    else:
+        with tempfile.TemporaryDirectory(dir=d) as tmp:
+            out = Path(tmp) / "cell.json"
+            try:
+                r = subprocess.run(_cell_argv(args, cell, d, out), capture_output=True, text=True,
+                                   timeout=args.cell_timeout)
+                if r.returncode == 0 and out.exists():
+                    res = json.loads(out.read_text())
+                else:
+                    res = {"cell": cell, "error": f"exit {r.returncode}: {r.stderr[-2000:]}"}
+            except subprocess.TimeoutExpired:
+                res = {"cell": cell, "error": f"timed out after {args.cell_timeout} s"}
+    res["wall_s"], res["loadavg_1min_before"] = time.perf_counter() - t0, load
+    print(f"e2e {cell}: " + (f"{res['step_s'] * 1e3:.1f} ms/step" if "step_s" in res
+                             else res["error"].splitlines()[-1] if res["error"] else "error"),
+          file=sys.stderr, flush=True)
+    return res
+
+
 def part_e2e(args: argparse.Namespace, d: Path) -> dict:
     in_process = args.quick and args.devices == 1
-    cells = {}
-    for cell in E2E_CELLS:
-        t0 = time.perf_counter()
-        if in_process:
-            try:
-                cells[cell] = run_e2e_cell(cell, args, d)
-            except Exception as e:  # noqa: BLE001 (report the cell, go on with the others)
-                cells[cell] = {"cell": cell, "error": f"{type(e).__name__}: {e}"}
-        else:
-            with tempfile.TemporaryDirectory(dir=d) as tmp:
-                out = Path(tmp) / "cell.json"
-                try:
-                    r = subprocess.run(_cell_argv(args, cell, d, out), capture_output=True, text=True,
-                                       timeout=args.cell_timeout)
-                    if r.returncode == 0 and out.exists():
-                        cells[cell] = json.loads(out.read_text())
-                    else:
-                        cells[cell] = {"cell": cell, "error": f"exit {r.returncode}: {r.stderr[-2000:]}"}
-                except subprocess.TimeoutExpired:
-                    cells[cell] = {"cell": cell, "error": f"timed out after {args.cell_timeout} s"}
-        cells[cell]["wall_s"] = time.perf_counter() - t0
-        print(f"e2e {cell}: " + (f"{cells[cell]['step_s'] * 1e3:.1f} ms/step" if "step_s" in cells[cell]
-                                 else cells[cell]["error"].splitlines()[-1] if cells[cell]["error"] else "error"),
-              file=sys.stderr, flush=True)
+    cells = {cell: _run_cell(cell, args, d, in_process) for cell in E2E_CELLS}
     base = cells.get("none", {}).get("step_s")
     for c in cells.values():
         if "step_s" in c and base:
@@ -737,6 +799,7 @@ E2E_LABELS = {
     "opt_nvme": "offload_optimizer=nvme",
     "opt_cpu_param_cpu": "offload_optimizer=cpu + offload_param=cpu",
     "opt_nvme_param_nvme": "offload_optimizer=nvme + offload_param=nvme",
+    "param_nvme": "offload_param=nvme (the user's AdamW steps the mapped shards)",
 }
 
 
@@ -762,16 +825,78 @@ def print_e2e(res: dict) -> None:
         print("\n(--quick: cells ran in one process; peak RSS is that process's, cumulative.)")
 
 
+# -- param: NVMe parameters against no offload ---------------------------------------------------
+
+PARAM_CELLS = ("none", "param_nvme", "opt_nvme_param_nvme")
+PARAM_TARGET = 1.3  # step time with offload_param="nvme" / without offload (issue 18, item 6)
+
+
+def _cpu_s(cell: dict) -> float:
+    u = cell["rusage_per_step_rank0"]
+    return u["cpu_user_s"] + u["cpu_sys_s"]
+
+
+def part_param(args: argparse.Namespace, d: Path) -> dict:
+    """The e2e cells of ``PARAM_CELLS``, ``--rounds`` times, interleaved (none, nvme, ...,
+    none, nvme, ...) so that a slow spell of a shared machine hits both sides of a ratio."""
+    in_process = args.quick and args.devices == 1
+    rounds = [{cell: _run_cell(cell, args, d, in_process) for cell in PARAM_CELLS} for _ in range(args.rounds)]
+    summary = {}
+    for cell in PARAM_CELLS[1:]:
+        pairs = [(r[cell], r["none"]) for r in rounds if "step_s" in r[cell] and "step_s" in r["none"]]
+        ratios = [a["step_s"] / b["step_s"] for a, b in pairs]
+        cpu = [_cpu_s(a) / _cpu_s(b) for a, b in pairs]
+        summary[cell] = {"step_ratios": ratios, "cpu_ratios_rank0": cpu,
+                         "min": min(ratios, default=None), "median": statistics.median(ratios) if ratios else None,
+                         "max": max(ratios, default=None), "target": PARAM_TARGET}
+    return {"part": "param", "stage": 3, "devices": args.devices, "in_process": in_process, "precision": "32-true",
+            "model": {"width": args.e2e_width, "depth": args.e2e_depth, "vocab": args.e2e_vocab, "seq": args.e2e_seq,
+                      "batch_per_rank": args.e2e_batch},
+            "warmup": args.e2e_warmup, "steps": args.e2e_steps, "rounds": rounds, "summary": summary}
+
+
+def print_param(res: dict) -> None:
+    m = res["model"]
+    print(f"\n## param: offload_param=nvme vs none, Lightning on CPU, {res['devices']} rank(s), stage 3, fp32 "
+          f"(width {m['width']}, depth {m['depth']}), {len(res['rounds'])} interleaved rounds, median of "
+          f"{res['steps']} steps each\n")
+    rows = []
+    for i, r in enumerate(res["rounds"]):
+        base = r["none"]
+        for cell in PARAM_CELLS:
+            c = r[cell]
+            if "step_s" not in c:
+                rows.append([str(i), E2E_LABELS[cell], "error", "-", "-", "-", "-", "-"])
+                continue
+            ok = "step_s" in base
+            io = c.get("param_io") or {}
+            gathers = max(1, io.get("gathers", 0))
+            rows.append([str(i), E2E_LABELS[cell], f"{c['step_s'] * 1e3:.1f}", f"{c['optimizer_s'] * 1e3:.1f}",
+                         f"{c['step_s'] / base['step_s']:.2f}x" if ok else "-",
+                         f"{_cpu_s(c) / _cpu_s(base):.2f}x" if ok else "-",
+                         f"{io['gather_major_faults'] / gathers:.2f}" if io else "-",
+                         f"{io['write_wait_s'] * 1e3 / c['steps_total']:.1f}" if io else "-"])
+    print(_md(["round", "setting", "step ms", "optimizer ms", "step / none", "CPU s / none (rank 0)",
+               "copy-in major faults per gather", "write-behind wait ms/step"], rows))
+    for cell, sm in res["summary"].items():
+        if sm["median"] is None:
+            print(f"\n{E2E_LABELS[cell]}: no complete round")
+            continue
+        verdict = "ok" if sm["max"] <= sm["target"] else ("median ok" if sm["median"] <= sm["target"] else "ABOVE")
+        print(f"\n{E2E_LABELS[cell]}: step time {sm['min']:.2f}x to {sm['max']:.2f}x of no offload (median "
+              f"{sm['median']:.2f}x; target <= {sm['target']}x: {verdict})")
+
+
 # -- main ---------------------------------------------------------------------------------------
 
 QUICK = dict(adam_sizes="64K,4x16K", warmup=1, steps=3, size_mib=16, io_threads="1,4", io_block_mib="1,4",
              repeat=1, state_mib=8, swap_tensors=4, buffer_mib=1, e2e_width=64, e2e_depth=2, e2e_vocab=64,
-             e2e_seq=16, e2e_batch=4, e2e_warmup=2, e2e_steps=3)
+             e2e_seq=16, e2e_batch=4, e2e_warmup=2, e2e_steps=3, rounds=1)
 
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", choices=("adam", "swap", "e2e", "all"), default="all")
+    ap.add_argument("--part", choices=("adam", "swap", "e2e", "param", "all"), default="all")
     ap.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test (< 1 min), not a measurement")
     ap.add_argument("--out-dir", type=Path, default=RESULTS, help="where offload_<part>.json go")
     ap.add_argument("--dir", type=Path, default=None,
@@ -803,6 +928,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--e2e-warmup", type=int, default=3)
     g.add_argument("--e2e-steps", type=int, default=10)
     g.add_argument("--cell-timeout", type=int, default=600, help="seconds per e2e cell (subprocess)")
+    g.add_argument("--rounds", type=int, default=3, help="param: interleaved rounds of none / nvme cells")
     ap.add_argument("--e2e-cell", choices=E2E_CELLS, help=argparse.SUPPRESS)
     ap.add_argument("--cell-out", type=Path, help=argparse.SUPPRESS)
     return ap
@@ -825,9 +951,9 @@ def main() -> None:
         return
 
     command = "python " + shlex.join(sys.argv)
-    parts = ["adam", "swap", "e2e"] if args.part == "all" else [args.part]
+    parts = ["adam", "swap", "e2e", "param"] if args.part == "all" else [args.part]
     temp = None
-    if args.dir is None and ("swap" in parts or "e2e" in parts):
+    if args.dir is None and parts != ["adam"]:
         temp = Path(tempfile.mkdtemp(prefix="offload-bench-", dir="."))
     d = args.dir or temp or Path(".")
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -840,9 +966,12 @@ def main() -> None:
             elif part == "swap":
                 res = part_swap(args, d)
                 print_swap(res)
-            else:
+            elif part == "e2e":
                 res = part_e2e(args, d)
                 print_e2e(res)
+            else:
+                res = part_param(args, d)
+                print_param(res)
             res.update(command=command, quick=args.quick, wall_s=time.perf_counter() - t0, hardware=hardware(d),
                        dir="temporary directory under the current directory" if temp else str(d))
             path = args.out_dir / f"offload_{part}.json"

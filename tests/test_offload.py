@@ -1,4 +1,4 @@
-"""Optimizer offload (CPU, NVMe) and parameter offload (CPU).
+"""Optimizer offload (CPU, NVMe) and parameter offload (CPU, NVMe with write-behind).
 
 References: the same optimizer without offload (one process), and the same Trainer run
 without offload (2 gloo ranks, fp32, 10 steps). Where the user's optimizer names its
@@ -365,6 +365,8 @@ def _parity_worker(rank, world, tmp):
             refs[(stage, impl)] = _full(_fit(_strategy(stage, {}, tmp), world, _module(impl)))
         t = _fit(_strategy(stage, kw, tmp), world, _module(impl))
         store = t.strategy._param_store
+        if store:
+            store.flush()  # the last step's write-behind
         resident_after = store.resident_bytes() if store else 0  # before _full reads every shard
         full = _full(t)
         ref = refs[(stage, impl)]
@@ -381,6 +383,127 @@ def _parity_worker(rank, world, tmp):
             "offloaded": (stats.offloaded_cpu_bytes, stats.offloaded_nvme_bytes),
         }
     return out
+
+
+# -- NVMe parameters: write-behind (2 gloo ranks, FSDP2 without a Trainer) -----------------------
+
+
+def _sharded_mlp(world: int, nvme_path: str | None):
+    """3 blocks, each its own FSDP group, fp32; on NVMe through a ParamStore when a path is given."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    from zeropp_strategy.offload.params import ParamStore
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(24, 300), torch.nn.GELU(),
+                                                      torch.nn.Linear(300, 24)) for _ in range(3)])
+    mesh = init_device_mesh("cpu", (world,))
+    policy = CPUOffloadPolicy(pin_memory=False) if nvme_path else OffloadPolicy()
+    for block in model:
+        fully_shard(block, mesh=mesh, offload_policy=policy)
+    fully_shard(model, mesh=mesh, offload_policy=policy)
+    store = ParamStore(model, OffloadConfig(device="nvme", nvme_path=nvme_path)) if nvme_path else None
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False), store
+
+
+def _mlp_step(model, opt, store, rank: int, i: int) -> None:
+    x = torch.randn(8, 24, generator=torch.Generator().manual_seed(100 * rank + i))
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    if store is not None:  # what the engine's step post-hook does
+        store.release(list(model.parameters()))
+
+
+def _file_bytes(fd: int, store, p) -> bytes:
+    region = store._regions[id(p)]
+    return os.pread(fd, region.nbytes, region.start)
+
+
+def _write_behind_worker(rank, world, tmp):
+    import time
+
+    from zeropp_strategy.offload import params as params_mod
+
+    out = {}
+    real_write_back = params_mod.write_back
+    ref, ref_opt, _ = _sharded_mlp(world, None)
+    model, opt, store = _sharded_mlp(world, tmp)
+    for i in range(4):
+        _mlp_step(ref, ref_opt, None, rank, i)
+        _mlp_step(model, opt, store, rank, i)
+    # 1. After flush() nothing stays mapped and the files hold the stepped values.
+    store.flush()
+    out["resident_after_flush"] = store.resident_bytes()
+    fd = os.open(store._files[0].path, os.O_RDONLY)
+    local = [p._local_tensor for p in model.parameters()]
+    out["flushed_file_matches"] = all(_file_bytes(fd, store, p) == t.contiguous().numpy().tobytes()
+                                      for p, t in zip(model.parameters(), local))
+    # 2. Trains like no offload, bit for bit, while the writes run behind the steps.
+    out["parity"] = max((a.full_tensor() - b.full_tensor()).abs().max().item()
+                        for a, b in zip(ref.parameters(), model.parameters()))
+    # 3. A slow drive: the step returns before the write; readers (and a checkpoint) see the
+    # new values meanwhile, also after their pages are dropped mid-write (the all-gather's
+    # eviction racing the writer); close() right after the step waits for the write.
+    slow = [0.3]  # the first write of the batch waits 0.3 s, as behind a busy drive
+
+    def slow_write_back(*a):
+        time.sleep(slow.pop() if slow else 0)
+        real_write_back(*a)
+
+    params_mod.write_back = slow_write_back
+    t0 = time.perf_counter()
+    _mlp_step(ref, ref_opt, None, rank, 4)
+    _mlp_step(model, opt, store, rank, 4)
+    out["pending_after_step"] = store.pending_bytes()
+    out["step_did_not_wait"] = time.perf_counter() - t0 < 0.3
+    for region in store._regions.values():
+        region.evict(drop_cache=True)
+    out["parity_while_pending"] = max((a.full_tensor() - b.full_tensor()).abs().max().item()
+                                      for a, b in zip(ref.parameters(), model.parameters()))
+    stepped = [t.clone() for t in local]
+    store.close()  # the files are unlinked now; fd still reads this one
+    out["closed_file_matches"] = all(_file_bytes(fd, store, p) == t.numpy().tobytes()
+                                     for p, t in zip(model.parameters(), stepped))
+    os.close(fd)
+    # 4. A failing drive: the error surfaces on the training thread at the next step (before
+    # its first all-gather, so every rank that has it stops at the same place), naming the
+    # file and the fix; a failure not reported before surfaces at close().
+    def fail(*a):
+        raise OSError(errno.EIO, "Input/output error")
+
+    for where in ("next_step", "close"):
+        params_mod.write_back = real_write_back
+        model, opt, store = _sharded_mlp(world, tmp)
+        params_mod.write_back = fail
+        _mlp_step(model, opt, store, rank, 0)
+        out[where], out[where + "_errno"] = "no error", None
+        try:
+            if where == "next_step":
+                deadline = time.monotonic() + 10
+                while store._writer.error is None and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                _mlp_step(model, opt, store, rank, 1)
+            store.close()
+        except OSError as e:
+            out[where], out[where + "_errno"] = str(e), e.errno
+            store.close()  # reported once: closing after that is quiet
+    params_mod.write_back = real_write_back
+    return out
+
+
+def _check_write_behind(per_rank, tmp_path) -> None:
+    for r in per_rank:
+        assert r["parity"] == 0.0 and r["parity_while_pending"] == 0.0, r
+        assert r["flushed_file_matches"] and r["resident_after_flush"] == 0, r
+        assert r["pending_after_step"] > 0 and r["step_did_not_wait"], r
+        assert r["closed_file_matches"], r
+        for where in ("next_step", "close"):
+            assert r[where + "_errno"] == errno.EIO, r
+            assert "params.float32.swap" in r[where] and "Input/output error" in r[where], r
+            assert "Fix:" in r[where] and "offload_param" in r[where], r
+    assert [p for p in tmp_path.iterdir() if p.name.startswith("zeropp-swap")] == []
 
 
 def _residency_worker(rank, world, tmp):
@@ -403,12 +526,19 @@ def _residency_worker(rank, world, tmp):
                 before(gid)
 
             store._before_unshard = record
+            def sample(key):
+                # Pages still being written back stay mapped until written: not counted.
+                pending = store.pending_bytes()
+                samples[key].append(store.resident_bytes() - pending)
+
             for block in pl_module.net.blocks:
-                block.register_forward_hook(lambda *a: samples["forward"].append(store.resident_bytes()))
-                block.register_full_backward_hook(lambda *a: samples["backward"].append(store.resident_bytes()))
+                block.register_forward_hook(lambda *a: sample("forward"))
+                block.register_full_backward_hook(lambda *a: sample("backward"))
 
         def on_train_batch_end(self, trainer, *args):
-            samples["batch_end"].append(trainer.strategy._param_store.resident_bytes())
+            store = trainer.strategy._param_store
+            store.flush()  # once written back, every shard rests on disk
+            samples["batch_end"].append(store.resident_bytes())
 
     t = _fit(_strategy(3, {"offload_param": "nvme", "offload_optimizer": "cpu"}, tmp, wrap_modules=["Block"]), world,
              _module("forloop"), callbacks=[Sample()])
@@ -426,9 +556,16 @@ def _residency_worker(rank, world, tmp):
                                                        "prefetch_hits": hits, "prefetch_calls": len(late), "groups": len(store._group_regions)}
 
 
-def test_nvme_parameters_are_mapped_only_while_gathered(tmp_path):
-    per_rank = run_ranks(_residency_worker, 2, (str(tmp_path),), timeout_s=300)
-    for r in per_rank:
+def _residency_and_write_behind_worker(rank, world, tmp):
+    # One spawn for both (a spawn costs seconds): the Trainer run first, then FSDP2 alone
+    # on the process group the Trainer leaves behind.
+    return _residency_worker(rank, world, tmp), _write_behind_worker(rank, world, tmp)
+
+
+def test_nvme_parameters_write_behind_and_residency(tmp_path):
+    results = run_ranks(_residency_and_write_behind_worker, 2, (str(tmp_path),), timeout_s=300)
+    _check_write_behind([wb for _, wb in results], tmp_path)
+    for r, _ in results:
         assert r["batch_end"] == 0, r  # after the step every shard rests on disk
         # At most the group being gathered plus the read-ahead (prefetch=2 groups).
         bound = 3 * r["largest_group"]

@@ -11,17 +11,48 @@ freed memory. What makes them *rest* on disk:
 - after each FSDP group's all-gather has copied its shards in, their pages are dropped
   from this process (``madvise(MADV_DONTNEED)``: for a shared file mapping the data stays
   in the file and the page cache, which the kernel reclaims under pressure);
-- after the optimizer steps a batch of parameters, the same for those parameters, after
-  an ``msync`` that writes them back (synchronous: Python's ``mmap.flush``);
+- after the optimizer steps a batch of parameters, the same for those parameters, once
+  they are written back: by the write-behind thread, see [Note: write-behind];
 - ahead of each group's all-gather, ``madvise(MADV_WILLNEED)`` asks the kernel to read
   the groups that followed it last time, so their pages are read from disk while the
   current group computes. The order is learned from the previous step and keyed by the
   last *two* groups: forward and backward visit the blocks in opposite orders, so the
   successor of block k is k+1 after (k-1, k) and k-1 after (k+1, k).
 
-Resident parameter memory is then the groups being gathered plus those prefetched, not
-P/N. Gradients are not swapped: FSDP2 keeps the reduced shards in host RAM until the step.
-Regions are 4 KiB aligned so that every advice covers exactly one parameter.
+Resident parameter memory is then the groups being gathered plus those prefetched plus
+those still being written back, not P/N. Gradients are not swapped: FSDP2 keeps the
+reduced shards in host RAM until the step. Regions are 4 KiB aligned so that every
+advice covers exactly one parameter.
+
+[Note: write-behind]
+``release`` (after the optimizer stepped a batch) hands the batch to one background
+thread and returns: the step does not wait for the disk. The thread queues the batch's
+writes (``swap.start_write_back``), waits for each region (``swap.write_back``, which
+releases the GIL), then drops the region's pages from the process and the page cache.
+Why this is safe:
+
+- With ``MAP_SHARED`` the mapping *is* the page cache: a parameter read while its
+  write-back is queued or running sees the new values (the same pages), and so does a
+  checkpoint save. ``MADV_DONTNEED`` on a shared file mapping only unmaps; a dirty page
+  table entry passes its dirty bit to the page, so nothing written is lost, whenever the
+  unmap happens (the all-gather's eviction may run before the write-back).
+  ``POSIX_FADV_DONTNEED`` drops clean pages only: a page dirtied again after its write-back
+  (the next step) stays until it is written.
+- The thread drops a region only if nobody asked for it since it was queued: the
+  read-ahead of the next forward counts a *use*, and a region used since is left in the
+  page cache (clean now), so the read-ahead is not thrown away (the all-gather's own
+  eviction drops it later).
+- At most one store's worth of bytes (``disk_bytes()``, one step of writes) is queued:
+  ``release`` waits while more is, so a disk slower than the steps throttles the steps
+  instead of filling memory with dirty pages. Time spent waiting is ``io_stats()``'s
+  ``write_wait_s``.
+- ``flush()`` is the barrier: it returns once every queued region is written (and raises
+  the writer's error, if any). ``close()`` flushes before it closes the files. A
+  checkpoint does not need it (it reads through the mapping).
+- An I/O error in the thread is kept, and raised on the training thread at the next
+  ``release``, all-gather, ``flush`` or ``close``, naming the file and the fix; once
+  raised it is raised again by every later step (a failed write-back may leave the file
+  behind the mapping, so continuing would train on values the drive does not hold).
 """
 
 from __future__ import annotations
@@ -29,7 +60,13 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import resource
+import threading
+import time
+import weakref
+from collections import deque
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,33 +74,137 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 
 from zeropp_strategy.config import OffloadConfig
-from zeropp_strategy.offload.swap import ALIGN, SwapDir, SwapFile, align_up
+from zeropp_strategy.offload.swap import ALIGN, SwapDir, SwapFile, align_up, start_write_back, write_back
 
 log = logging.getLogger(__name__)
 
+_THREAD_USAGE = getattr(resource, "RUSAGE_THREAD", None)  # Linux: faults of this thread only
+
+
+def _major_faults() -> int:
+    return resource.getrusage(_THREAD_USAGE).ru_majflt if _THREAD_USAGE is not None else 0
+
 
 class _Region:
-    """One parameter shard's bytes in a mapped swap file (4 KiB aligned)."""
+    """One parameter shard's bytes in a mapped swap file (4 KiB aligned).
 
-    __slots__ = ("mm", "fd", "start", "nbytes")
+    ``uses`` counts read-ahead requests: the write-behind thread drops a region's pages
+    only if it did not change since the region was queued ([Note: write-behind])."""
 
-    def __init__(self, mm: mmap.mmap, fd: int, start: int, nbytes: int) -> None:
-        self.mm, self.fd, self.start, self.nbytes = mm, fd, start, nbytes
+    __slots__ = ("mm", "fd", "path", "addr", "start", "nbytes", "length", "uses")
+
+    def __init__(self, mm: mmap.mmap, fd: int, path: Path, base_addr: int, start: int, nbytes: int) -> None:
+        self.mm, self.fd, self.path, self.start, self.nbytes = mm, fd, path, start, nbytes
+        self.addr = base_addr + start
+        self.length = align_up(nbytes) if nbytes else 0
+        self.uses = 0
 
     def prefetch(self) -> None:
-        if self.nbytes:
-            self.mm.madvise(mmap.MADV_WILLNEED, self.start, align_up(self.nbytes))
+        if self.length:
+            self.uses += 1
+            self.mm.madvise(mmap.MADV_WILLNEED, self.start, self.length)
 
-    def evict(self, *, dirty: bool) -> None:
-        """Unmap the pages from this process; with ``dirty``, start writing them back. The
-        page cache is asked to drop them too, so they rest on disk, not in RAM."""
-        if not self.nbytes:
+    def evict(self, *, drop_cache: bool) -> None:
+        """Unmap the pages from this process; with ``drop_cache``, ask the page cache to drop
+        them too (it drops the clean ones; dirty ones stay until written), so that they rest
+        on disk, not in RAM."""
+        if self.length:
+            self.mm.madvise(mmap.MADV_DONTNEED, self.start, self.length)
+            if drop_cache:
+                os.posix_fadvise(self.fd, self.start, self.length, os.POSIX_FADV_DONTNEED)
+
+
+class _WriteBehind:
+    """The write-behind thread: writes queued regions back, then evicts them.
+
+    Holds no reference to the store, so a store that is garbage collected stops it."""
+
+    def __init__(self, limit_bytes: int) -> None:
+        self._cond = threading.Condition()
+        self._batches: deque[list[tuple[_Region, int]]] = deque()
+        self._limit_bytes = limit_bytes
+        self._stopping = False
+        self.error: Exception | None = None  # the first failure (an OSError naming the file, normally)
+        self.pending_bytes = 0
+        self.written_bytes = 0
+        self.busy_s = 0.0  # this thread, writing and evicting
+        self.wait_s = 0.0  # the training thread, blocked on this one (throttle and flush)
+        self._thread = threading.Thread(target=self._run, name="zeropp-param-write-behind", daemon=True)
+        self._thread.start()
+
+    def submit(self, regions: list[_Region]) -> None:
+        nbytes = sum(r.length for r in regions)
+        if not nbytes:
             return
-        length = align_up(self.nbytes)
-        if dirty:
-            self.mm.flush(self.start, length)
-        self.mm.madvise(mmap.MADV_DONTNEED, self.start, length)
-        os.posix_fadvise(self.fd, self.start, length, os.POSIX_FADV_DONTNEED)
+        batch = [(r, r.uses) for r in regions]
+        with self._cond:
+            if self.pending_bytes and self.pending_bytes + nbytes > self._limit_bytes and self.error is None:
+                t0 = time.perf_counter()
+                self._cond.wait_for(lambda: self.pending_bytes + nbytes <= self._limit_bytes or self.error is not None)
+                self.wait_s += time.perf_counter() - t0
+            self._batches.append(batch)
+            self.pending_bytes += nbytes
+            self._cond.notify_all()
+
+    def flush(self) -> None:
+        """Wait until every queued region is written back (or the thread failed)."""
+        with self._cond:
+            if self.pending_bytes:
+                t0 = time.perf_counter()
+                self._cond.wait_for(lambda: not self.pending_bytes)
+                self.wait_s += time.perf_counter() - t0
+
+    def stop(self) -> None:
+        """Flush, then end the thread. Idempotent; a no-op on the thread itself."""
+        if threading.current_thread() is self._thread:
+            return
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._batches or self._stopping)
+                if not self._batches:
+                    return
+                batch = self._batches[0]
+                failed = self.error is not None
+            t0 = time.perf_counter()
+            error = None
+            if not failed:  # after a failure the drive is suspect: the pages stay dirty in the cache
+                try:
+                    self._write(batch)
+                except Exception as e:  # noqa: BLE001 - kept, raised on the training thread
+                    error = e
+            with self._cond:
+                self._batches.popleft()
+                nbytes = sum(r.length for r, _ in batch)
+                self.pending_bytes -= nbytes
+                self.written_bytes += 0 if failed or error else nbytes
+                self.busy_s += time.perf_counter() - t0
+                if error is not None and self.error is None:
+                    self.error = error
+                self._cond.notify_all()
+
+    @staticmethod
+    def _write(batch: list[tuple[_Region, int]]) -> None:
+        for region, _ in batch:  # one queue of writes for the drive, then the waits
+            start_write_back(region.fd, region.start, region.length)
+        for region, uses in batch:
+            try:
+                write_back(region.fd, region.addr, region.start, region.length)
+            except OSError as e:
+                raise OSError(
+                    e.errno,
+                    f"writing parameter shards back to the swap file {region.path} (bytes {region.start} to "
+                    f"{region.start + region.length}) failed: {e.strerror or e}. Fix: check the drive under "
+                    "offload_param.nvme_path (the kernel log names I/O errors), point nvme_path at a healthy local "
+                    "drive, or set offload_param='cpu'",
+                ) from e
+            if region.uses == uses:  # nobody asked for it since: drop it
+                region.evict(drop_cache=True)
 
 
 class ParamStore:
@@ -85,9 +226,13 @@ class ParamStore:
         self._last: int | None = None
         self._prev: int | None = None
         self._closed = False
+        self._error_raised = False
         self._groups: dict[int, Any] = {}
         self._maps: list[mmap.mmap] = []
         self._files: list[SwapFile] = []
+        self._gathers = 0
+        self._gather_s = 0.0
+        self._gather_faults = 0
         try:
             self._rehome(root)
         except BaseException:
@@ -97,6 +242,8 @@ class ParamStore:
                 f.close()
             self._dir.close()
             raise
+        self._writer = _WriteBehind(limit_bytes=self.disk_bytes())
+        weakref.finalize(self, self._writer.stop)  # before the directory's finalizer at exit
 
     # -- layout -----------------------------------------------------------------------------
 
@@ -130,17 +277,18 @@ class ParamStore:
             self._maps.append(mm)
             flat = torch.frombuffer(mm, dtype=torch.uint8)
             for fp, off in zip(fps, offsets):
-                self._rehome_one(fp, flat, off, esize, mm, file.fd)
+                self._rehome_one(fp, flat, off, esize, mm, file)
+            write_back(file.fd, flat.data_ptr(), 0, file.nbytes)  # once, synchronously, at setup
         for g in groups:
             self._groups[id(g)] = g
             self._group_regions[id(g)] = [self._regions[id(fp.sharded_param)] for fp in g.fsdp_params]
             self._wrap(g)
         for region in self._regions.values():
-            region.evict(dirty=True)
+            region.evict(drop_cache=True)
         log.info("zeropp: %d parameter shards rest in %s (%d bytes)", len(self._regions), self._dir.path, total)
 
     @torch.no_grad()
-    def _rehome_one(self, fp: Any, flat: Tensor, off: int, esize: int, mm: mmap.mmap, fd: int) -> None:
+    def _rehome_one(self, fp: Any, flat: Tensor, off: int, esize: int, mm: mmap.mmap, file: SwapFile) -> None:
         data = fp._sharded_param_data  # noqa: SLF001
         n = data.numel()
         region = flat[off : off + n * esize].view(data.dtype)
@@ -150,7 +298,7 @@ class ParamStore:
         length = local.size(0) if local.numel() > 0 else 0
         fp._sharded_param_data = region  # noqa: SLF001 - the two references FSDP2 reads
         fp.sharded_param._local_tensor = padded.narrow(0, 0, length)  # noqa: SLF001
-        self._regions[id(fp.sharded_param)] = _Region(mm, fd, off, n * esize)
+        self._regions[id(fp.sharded_param)] = _Region(mm, file.fd, file.path, flat.data_ptr(), off, n * esize)
 
     def _wrap(self, group: Any) -> None:
         unshard = group.unshard
@@ -158,20 +306,25 @@ class ParamStore:
 
         def unshard_from_nvme(async_op: bool = False) -> Any:
             self._before_unshard(gid)
+            faults, t0 = _major_faults(), time.perf_counter()
             try:
                 return unshard(async_op)
             finally:
                 # The copy-in has read the shards (host tensors are copied synchronously,
                 # and unpinned ones are staged before a device copy returns).
-                if not self._closed:
+                if not self._closed:  # the page cache keeps them for backward and the step
                     for region in self._group_regions[gid]:
-                        region.evict(dirty=False)
+                        region.evict(drop_cache=False)
+                self._gathers += 1
+                self._gather_s += time.perf_counter() - t0
+                self._gather_faults += _major_faults() - faults
 
         group.unshard = unshard_from_nvme
 
     def _before_unshard(self, gid: int) -> None:
         if self._closed:
             return
+        self._raise_write_error()
         if self._last is not None and self._last != gid:
             self._next[self._last] = gid
             if self._prev is not None:
@@ -210,13 +363,45 @@ class ParamStore:
                 region.prefetch()
 
     def release(self, params: Iterable[Tensor]) -> None:
-        """After the optimizer stepped ``params``: write them back, drop their pages."""
+        """After the optimizer stepped ``params``: queue them for write-behind (returns at
+        once, see [Note: write-behind]); their pages are dropped once written."""
         if self._closed:
             return
-        for p in params:
-            region = self._regions.get(id(p))
-            if region is not None:
-                region.evict(dirty=True)
+        self._raise_write_error()
+        regions = [r for r in (self._regions.get(id(p)) for p in params) if r is not None]
+        self._writer.submit(regions)
+
+    def flush(self) -> None:
+        """Wait until every parameter released so far is written to its swap file; raises
+        the write-behind thread's error, if any. A no-op once closed."""
+        if self._closed:
+            return
+        self._writer.flush()
+        self._raise_write_error()
+
+    def _raise_write_error(self) -> None:
+        error = self._writer.error if hasattr(self, "_writer") else None
+        if error is None:
+            return
+        self._error_raised = True
+        if isinstance(error, OSError):
+            raise OSError(error.errno, str(error.strerror or error)) from error
+        raise RuntimeError(f"zeropp: the parameter write-behind thread failed: {error!r}. Fix: this is a bug in "
+                           "zeropp_strategy, please report it; offload_param='cpu' avoids the thread") from error
+
+    def pending_bytes(self) -> int:
+        """Bytes released but not yet written back (their pages may still be mapped)."""
+        return self._writer.pending_bytes
+
+    def io_stats(self) -> dict[str, float]:
+        """What the I/O cost the training thread and the write-behind thread so far:
+        ``gathers`` (all-gather copy-ins), ``gather_s`` (seconds in them, reads included),
+        ``gather_major_faults`` (pages the copy-ins had to read from the drive themselves:
+        the read-ahead missed them), ``written_bytes``, ``write_s`` (the thread's busy
+        seconds) and ``write_wait_s`` (seconds the training thread waited for it)."""
+        w = self._writer
+        return {"gathers": self._gathers, "gather_s": self._gather_s, "gather_major_faults": self._gather_faults,
+                "written_bytes": w.written_bytes, "write_s": w.busy_s, "write_wait_s": w.wait_s}
 
     def resident_bytes(self) -> int:
         """Bytes of the swap files mapped into this process's memory now (``Rss`` of the
@@ -244,15 +429,20 @@ class ParamStore:
         return str(self._dir.path)
 
     def close(self) -> None:
-        """Remove the swap directory. The mappings stay valid (the files are unlinked, not
-        unmapped) for as long as the parameters that view them exist; from now on the
-        parameters simply stay resident (no more advice on the closed files). Idempotent."""
+        """Wait for the write-behind, then remove the swap directory. The mappings stay
+        valid (the files are unlinked, not unmapped) for as long as the parameters that
+        view them exist; from now on the parameters simply stay resident (no more advice
+        on the closed files). Raises a write-behind error not raised before, after the
+        clean-up. Idempotent."""
         if self._closed:
             return
+        self._writer.stop()
         self._closed = True
         for f in self._files:
             f.close()
         self._dir.close()
+        if not self._error_raised:
+            self._raise_write_error()
 
 
 class _NoPool:

@@ -16,15 +16,29 @@ Swap directories are created per run and per rank with mode 0700 under the user'
 ``nvme_path`` and removed when the optimizer is closed, at interpreter exit, and on the
 next start for directories whose process (same host) no longer exists (a SIGKILL
 leaves no chance to clean up).
+
+[Note: writing mapped pages back]
+``offload.params`` keeps parameter shards in ``MAP_SHARED`` mappings and writes them back
+from a background thread. ``write_back`` does that for one byte range without holding the
+GIL (a ctypes call; Python's ``mmap.flush`` keeps the GIL for the whole synchronous
+``msync``, so it stalls the training thread even when called from another thread). On
+Linux it is ``sync_file_range(WAIT_BEFORE | WRITE | WAIT_AFTER)``: the dirty pages of the
+range are written and waited for, no journal commit and no drive cache flush (a swap file
+is deleted at the end of the run, so durability across a crash is not needed, only clean
+pages, which the page cache can then drop). Elsewhere it is ``msync(MS_SYNC)``.
+``start_write_back`` only queues the writes (``SYNC_FILE_RANGE_WRITE``), so that a batch of
+ranges reaches the drive as one queue before the first wait.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import os
 import shutil
 import socket
+import sys
 import tempfile
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -232,6 +246,49 @@ class SwapFile:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def _libc_function(name: str, argtypes: list) -> object | None:
+    try:
+        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _libc_function("sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint])
+_MSYNC = _libc_function("msync", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int])
+_SFR_WAIT_BEFORE, _SFR_WRITE, _SFR_WAIT_AFTER = 1, 2, 4  # <linux/fs.h>
+_MS_SYNC = 0x10 if sys.platform == "darwin" else 4  # <sys/mman.h>
+
+
+def _check(ret: int, what: str) -> None:
+    if ret != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def start_write_back(fd: int, offset: int, nbytes: int) -> None:
+    """Queue the dirty pages of ``[offset, offset + nbytes)`` for writing; do not wait.
+    A no-op where ``sync_file_range`` does not exist (``write_back`` then does it all)."""
+    if _SYNC_FILE_RANGE is not None and nbytes:
+        _check(_SYNC_FILE_RANGE(fd, offset, nbytes, _SFR_WRITE), "sync_file_range(WRITE)")
+
+
+def write_back(fd: int, addr: int, offset: int, nbytes: int) -> None:
+    """Write the dirty pages of a mapped file range back and wait for them (see [Note:
+    writing mapped pages back]); ``addr`` is where byte ``offset`` is mapped. Releases the
+    GIL; raises ``OSError`` (with the errno of the failed write) on an I/O error."""
+    if not nbytes:
+        return
+    if _SYNC_FILE_RANGE is not None:
+        flags = _SFR_WAIT_BEFORE | _SFR_WRITE | _SFR_WAIT_AFTER
+        _check(_SYNC_FILE_RANGE(fd, offset, nbytes, flags), "sync_file_range")
+    elif _MSYNC is not None:
+        _check(_MSYNC(addr, nbytes, _MS_SYNC), "msync")
+    else:  # pragma: no cover - no libc through ctypes: the data-only fsync of the whole file
+        os.fdatasync(fd) if hasattr(os, "fdatasync") else os.fsync(fd)
 
 
 def wait(futures: list[Future]) -> None:
