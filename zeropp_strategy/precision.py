@@ -35,7 +35,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.optim import LBFGS, Optimizer
 
-from zeropp_strategy.engine.stage1 import ShardedOptimizer
+from zeropp_strategy.engine.stage1 import ShardedOptimizer, row_range
 from zeropp_strategy.engine.dtensor import local as _local
 
 PrecisionFlag = Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true"]
@@ -84,19 +84,38 @@ def clip_grad_norm(
 ) -> Tensor:
     """Clip by the global norm over every rank's shard; returns the total norm.
 
-    Stage 1: over the rows each rank owns (its shard DTensors, bound to the reduced rows by
-    ``sharded_grads``). Stage 2/3: the sharded parameters. Either way see
-    ``clip_grad_norm_params``. Unsharded (plain) parameters: ``clip_grad_norm_``.
+    Stage 1: over the rows each rank owns (``clip_grad_norm_rows``). Stage 2/3: the
+    sharded parameters (``clip_grad_norm_params``). Unsharded (plain) parameters:
+    ``clip_grad_norm_``.
     """
     inner = getattr(optimizer, "_optimizer", optimizer)
     if isinstance(inner, ShardedOptimizer):
-        inner.sharded_grads()  # binds each shard's grad to its reduced rows
-        params = [p for g in inner.param_groups for p in g["params"]]
-        return clip_grad_norm_params(params, max_norm, group=group, norm_type=norm_type, ledger=ledger)
+        return clip_grad_norm_rows(inner.full_params, max_norm, group=group, norm_type=norm_type, ledger=ledger)
     params = [p for g in inner.param_groups for p in g["params"]]
     if not _is_sharded(optimizer):
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
     return clip_grad_norm_params(params, max_norm, group=group, norm_type=norm_type, ledger=ledger)
+
+
+@torch.no_grad()
+def clip_grad_norm_rows(
+    params: Iterable[Tensor], max_norm: float, *, group: Any = None, norm_type: float = 2.0, ledger: Any = None
+) -> Tensor:
+    """Stage 1: clip full parameters' grads by their global norm, reading only the rows
+    this rank owns, the only reduced ones ([Note: stage-1 partitioned reduce]); 0-dim
+    gradients (reduced whole) count once. One fp32 scalar all-reduce."""
+    rank = dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+    world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    rows, whole = [], []
+    for p in params:
+        if p.grad is None:
+            continue
+        if p.grad.dim() == 0:
+            whole.append(p.grad)
+        else:
+            lo, hi = row_range(p.grad.shape[0], rank, world)
+            rows.append(p.grad[lo:hi])
+    return _clip_local(rows, whole, max_norm, group=group, norm_type=norm_type, ledger=ledger)
 
 
 @torch.no_grad()
@@ -114,11 +133,17 @@ def clip_grad_norm_params(
     grads = [p.grad for p in params if p.grad is not None]
     if not any(isinstance(g, DTensor) for g in grads):
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
-    # A Replicate DTensor (stage 1's 0-dim parameters) holds the whole gradient on every
-    # rank: counted once, like a plain tensor, not summed over the ranks.
-    sharded = [g.to_local() for g in grads if isinstance(g, DTensor) and any(pl.is_shard() for pl in g.placements)]
-    replicated = [_local(g) for g in grads if not (isinstance(g, DTensor) and any(pl.is_shard() for pl in g.placements))]
-    device = grads[0].device if grads else torch.device("cpu")
+    sharded = [g.to_local() for g in grads if isinstance(g, DTensor)]
+    replicated = [g for g in grads if not isinstance(g, DTensor)]
+    return _clip_local(sharded, replicated, max_norm, group=group, norm_type=norm_type, ledger=ledger)
+
+
+def _clip_local(sharded: list[Tensor], replicated: list[Tensor], max_norm: float, *, group: Any, norm_type: float,
+                ledger: Any) -> Tensor:
+    """|g|^p of this rank's parts of ``sharded`` all-reduced, plus ``replicated`` once;
+    every part then scaled in place by the same factor. Returns the total norm."""
+    parts = [*sharded, *replicated]
+    device = parts[0].device if parts else torch.device("cpu")
     if norm_type == float("inf"):
         def amax(ts: list[Tensor]) -> Tensor:
             return torch.stack([t.abs().max().float() for t in ts if t.numel()] or [torch.zeros((), device=device)]).max()
@@ -133,7 +158,7 @@ def clip_grad_norm_params(
 
         total = (_reduce(powsum(sharded), dist.ReduceOp.SUM, group, ledger) + powsum(replicated)) ** (1.0 / norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in [*sharded, *replicated]:
+    for g in parts:
         g.mul_(coef.to(g.dtype))
     return total
 

@@ -54,7 +54,7 @@ from zeropp_strategy.engine.core import (
 from zeropp_strategy.engine.core import unwrap as _unwrap
 from zeropp_strategy.engine.fsdp import fsdp_modules
 from zeropp_strategy.engine.state import full_model_state
-from zeropp_strategy.precision import ShardedGradScaler, ZeroPPPrecision, clip_grad_norm_params
+from zeropp_strategy.precision import ShardedGradScaler, ZeroPPPrecision, clip_grad_norm_params, clip_grad_norm_rows
 
 __all__ = ["CONFIG_ENV", "ZeroPPAccelerator", "config_from_env"]
 
@@ -295,7 +295,8 @@ class ZeroPPAccelerator(Accelerator):
         if self.zero_engine is None:
             return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
         self.unscale_gradients()
-        return clip_grad_norm_params(parameters, float(max_norm), norm_type=float(norm_type), ledger=self.engine.ledger)
+        clip = clip_grad_norm_rows if self.engine.stage == 1 else clip_grad_norm_params
+        return clip(parameters, float(max_norm), norm_type=float(norm_type), ledger=self.engine.ledger)
 
     # -- state --------------------------------------------------------------------------
 
