@@ -12,7 +12,9 @@ the warm-up, with our own timestamps (``time.perf_counter``):
 - all-gather in flight: from the moment FSDP2 calls our comm object until the pending work's
   ``wait()`` returns (the gather and, for qwZ, its dequantization ran somewhere in between);
 - waiting: the part of that in which the training thread was blocked in ``wait()``;
-- reduce-scatter: the (synchronous) gradient reduce-scatter call.
+- reduce-scatter: the gradient reduce-scatter call (on the host it returns at once where it
+  is deferred, [Note: deferred reduce-scatter]), and the wait for the deferred ones at the
+  end of backward.
 
 The comm objects are wrapped after set-up (``set_custom_all_gather`` again, delegating to
 ours), so the product code carries no tracing. Writes the PNG and a JSON of the intervals.
@@ -116,6 +118,16 @@ def worker(system: str, out: Path, trace_step: int, steps: int) -> None:
                     lambda m, g, i=i: m.__dict__.__setitem__("_tb", time.perf_counter()))
                 block.register_full_backward_hook(
                     lambda m, gi, go, i=i: add("compute", f"B{i}", m._tb, time.perf_counter()))
+            deferral = trainer.strategy.engine.deferral()
+            if deferral is not None:  # time the end-of-backward wait (an instance attribute wins)
+                inner_wait = deferral.wait_all
+
+                def timed_wait_all() -> None:
+                    a = time.perf_counter()
+                    inner_wait()
+                    add("reduce-scatter", "end of backward", a, time.perf_counter())
+
+                deferral.wait_all = timed_wait_all
             names = {id(b): f"h{i}" for i, b in enumerate(pl_module.model.transformer.h)}
             for m in trainer.strategy.model.modules():
                 if isinstance(m, FSDPModule):

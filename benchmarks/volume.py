@@ -86,6 +86,37 @@ def run(args: argparse.Namespace) -> dict:
     return results
 
 
+TIMELINE = """## One step on a timeline
+
+`sudo python benchmarks/overlap_timeline.py` (same cluster, model and batch, 200 Mbit/s): one
+training step on rank 0, after the warm-up, with our own timestamps. *compute* is each GPT-2
+block's forward (F) and backward (B); *all-gather in flight* runs from the moment FSDP2 asks
+our comm object for a block's parameters until its pending work's `wait()` returns;
+*waiting* is the part of that in which the training thread was blocked; *reduce-scatter*
+shows the calls (instant where deferred) and the wait for the deferred ones at the end of
+backward.
+
+![overlap timeline](img/overlap_timeline.png)
+
+How to read it:
+- Forward: with asynchronous unshards and two blocks of forward prefetch
+  ([Note: prefetch] in engine/fsdp.py) each block's gather is issued while earlier blocks
+  compute. At 200 Mbit/s a block's forward computes in less time than its gather takes on
+  the link, so the training thread still waits part of each gather: the link is the
+  bottleneck there, not the schedule.
+- Backward: FSDP2 prefetches the previous block's gather from each block's pre-backward
+  hook, so gathers overlap compute. The reduce-scatters return at once ([Note: deferred
+  reduce-scatter]) and run on the comm thread while backward goes on; what is left of
+  them is waited for at the end of backward. For plain stage 3 that wait is the link
+  still carrying the fp32 gradients (about 13 MB per step across at 200 Mbit/s, 0.28 s of
+  link time alone); for `zeropp` it is mostly qgZ's quantization on a CPU whose two cores
+  already run four ranks.
+- On 2 cores, *waiting* also contains waiting for the slowest peer: four ranks
+  time-share two cores, so a rank that reaches a collective first waits for the others'
+  compute. A GPU cluster does not have that term.
+"""
+
+
 def _cell(results: dict, key: str) -> dict | None:
     c = results.get(key)
     return c if c and "step_s" in c else None
@@ -139,6 +170,7 @@ def render(results: dict, docs: Path, command: str, params: int) -> str:
             within = abs(c["veth_bytes_per_step"] / f - 1) <= 0.10
             lines.append(f"| cross-node bytes: {s} within 10% of its formula | "
                          f"{c['veth_bytes_per_step'] / f:.2f}x | {'yes' if within else 'no'} |")
+    lines += ["", TIMELINE]
     text = "\n".join(lines) + "\n"
     docs.parent.mkdir(parents=True, exist_ok=True)
     docs.write_text(text)

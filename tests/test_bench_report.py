@@ -47,3 +47,28 @@ def test_render_writes_tables_and_nonempty_plots(tmp_path):
         png = tmp_path / "docs" / "img" / name
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
         assert f"(img/{name})" in text
+
+
+def test_volume_page_checks_the_issue_targets(tmp_path):
+    """benchmarks/volume.py: ratios against ddp, the formulas and DeepSpeed, from a results dict."""
+    from benchmarks import volume
+
+    P = 3_000_000
+    cells = {
+        "200mbit/ddp": _cell(1.0, volume.formula_bytes("ddp", P), 3.9),
+        "200mbit/zeropp_stage_1": _cell(1.1, 1.03 * volume.formula_bytes("zeropp_stage_1", P), 3.9),
+        "200mbit/zeropp_stage_2": _cell(1.0, 1.2 * volume.formula_bytes("zeropp_stage_2", P), 3.9),
+        "200mbit/zeropp_stage_3": _cell(1.2, volume.formula_bytes("zeropp_stage_3", P), 3.9),
+        "200mbit/zeropp": _cell(0.5, 5e6, 3.9),
+        "200mbit/deepspeed_zero3": _cell(1.2, 3e7, 3.9),
+        "unlimited/zeropp": _cell(0.45, 5e6, 3.9),
+        "unlimited/zeropp_stage_3": _cell(0.44, 2e7, 3.9),
+    }
+    text = volume.render(cells, tmp_path / "v.md", "python benchmarks/volume.py", P)
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in text.splitlines() if line.startswith("| ")}
+    assert rows["cross-node bytes: zeropp_stage_1 <= 1.05 x ddp"].endswith("| 0.69x | yes |")
+    assert rows["cross-node bytes: zeropp_stage_2 within 10% of its formula"].endswith("| 1.20x | no |")
+    assert rows["200 Mbit/s: zeropp step <= 0.5 x DeepSpeed ZeRO-3"].endswith("| 0.42x | yes |")
+    assert rows["zeropp at 200 Mbit/s <= 1.15 x its unlimited step"].endswith("| 1.11x | yes |")
+    assert rows["unlimited: zeropp <= 1.05 x zeropp_stage_3"].endswith("| 1.02x | yes |")
+    assert rows["200 Mbit/s: zeropp_stage_3_bf16 step <= 1.0 x DeepSpeed ZeRO-3"].endswith("| - | - |")

@@ -166,6 +166,13 @@ def shard_module(
     return blocks
 
 
+FORWARD_PREFETCH_BLOCKS = 2
+"""Blocks whose forward gathers are in flight ahead of the one computing. 2, measured: on the
+simulated cluster at 200 Mbit/s (benchmarks/overlap_timeline.py) a block's forward computes
+in about a third of its gather's time, so one block of lead left every forward gather
+waiting; a second block of lead costs one more gathered block of memory."""
+
+
 def set_prefetch(root: nn.Module, blocks: list[nn.Module]) -> None:
     """Gather the next block while this one computes, in forward and in backward.
 
@@ -176,11 +183,11 @@ def set_prefetch(root: nn.Module, blocks: list[nn.Module]) -> None:
     ``async_op`` unshards (FSDP2's ``_set_unshard_async_op``) the comm object returns
     a pending work ([Note: pending work] in comm/hierarchical.py) that FSDP2 waits on right
     before the block needs its parameters, and gloo moves the bytes on its own threads
-    meanwhile. The explicit forward prefetch (the root prefetches the first block, block
-    k prefetches block k+1) puts the next gather in flight before this block computes;
-    in backward FSDP2 already prefetches the previous block (reverse post-forward order)
-    from each block's pre-backward hook. One block's parameters extra are gathered at a
-    time: the memory of FSDP2's default on CUDA. The reduce-scatter stays synchronous on
+    meanwhile. The explicit forward prefetch (the root prefetches the first
+    ``FORWARD_PREFETCH_BLOCKS`` blocks, block k the ones after it) puts the next gathers in
+    flight before this block computes; in backward FSDP2 already prefetches the previous
+    block (reverse post-forward order) from each block's pre-backward hook. Up to two
+    blocks' parameters beyond the computing one are gathered at a time in forward. The reduce-scatter stays synchronous on
     the host: FSDP2 reads its output right after the call (``foreach_reduce``).
     """
     groups = [b for b in blocks if isinstance(b, FSDPModule)]
@@ -188,9 +195,9 @@ def set_prefetch(root: nn.Module, blocks: list[nn.Module]) -> None:
         return
     if hasattr(root, "_set_unshard_async_op"):  # private in torch 2.9-2.13; without it, gathers stay inline
         root._set_unshard_async_op(True)
-    root.set_modules_to_forward_prefetch(groups[:1])
-    for block, following in zip(groups, groups[1:]):
-        block.set_modules_to_forward_prefetch([following])
+    root.set_modules_to_forward_prefetch(groups[:FORWARD_PREFETCH_BLOCKS])
+    for k, block in enumerate(groups):
+        block.set_modules_to_forward_prefetch(groups[k + 1 : k + 1 + FORWARD_PREFETCH_BLOCKS])
 
 
 def offload_policy(config: ZeroConfig) -> OffloadPolicy:
