@@ -7,7 +7,7 @@ Normally started by benchmarks/run.py inside benchmarks/simcluster.py (2 namespa
 ranks, a shaped veth between them), which sets GLOO_SOCKET_IFNAME to the namespace's veth.
 
 Every system trains the same transformers GPT-2 (4 layers, width 256, 4 heads, vocab 512,
-seq 128, dropout off by default; ``--size large`` is 12 x 768), from the same seed, on the same data
+seq 128, dropout off by default; ``--size medium`` is 8 x 512, ``--size large`` 12 x 768), from the same seed, on the same data
 (the text shipped with the package, byte-level, folded into the vocab) in the same order
 (rank r reads samples r, r + W, ...; shuffle off), micro-batch ``--batch`` per rank,
 AdamW (lr 5e-4, weight decay 0.01), on CPU in ``--precision`` (default ``bf16-mixed``, as
@@ -52,7 +52,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 LR, WEIGHT_DECAY = 5e-4, 0.01
-SIZES = {"small": (4, 256), "large": (12, 768)}  # (layers, width)
+SIZES = {"small": (4, 256), "medium": (8, 512), "large": (12, 768)}  # (layers, width): 3.3M, 25.5M, 85M params
 OURS = {
     "zeropp_stage_1": {"stage": 1},
     "zeropp_stage_2": {"stage": 2},
@@ -87,7 +87,7 @@ def gpt2(size: str):
     torch.manual_seed(0)
     # Dropout off: each framework draws its own dropout masks, which would make the losses
     # differ for no reason of the collectives; without it every system computes the same math.
-    cfg = GPT2Config(n_layer=layers, n_embd=width, n_head=4 if size == "small" else 12, vocab_size=512,
+    cfg = GPT2Config(n_layer=layers, n_embd=width, n_head={"small": 4, "medium": 8}.get(size, 12), vocab_size=512,
                      n_positions=128, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     return GPT2LMHeadModel(cfg)
 

@@ -373,7 +373,7 @@ def main() -> None:
     parser.add_argument("--rates", nargs="+", default=RATES)
     parser.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
     parser.add_argument("--nproc-per-node", type=int, default=2)
-    parser.add_argument("--size", default="small", choices=["small", "large"])
+    parser.add_argument("--size", default="small", choices=["small", "medium", "large"])
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--batch", type=int, default=2)

@@ -305,6 +305,10 @@ class ParamStore:
         gid = id(group)
 
         def unshard_from_nvme(async_op: bool = False) -> Any:
+            if group._all_gather_result is not None or group.is_unsharded:
+                # FSDP2's own no-op (a prefetch already issued it, [Note: prefetch] in engine/
+                # fsdp.py): not a gather, so it must not teach the read-ahead a false order.
+                return unshard(async_op)
             self._before_unshard(gid)
             faults, t0 = _major_faults(), time.perf_counter()
             try:
