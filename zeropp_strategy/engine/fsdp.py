@@ -183,21 +183,42 @@ def set_prefetch(root: nn.Module, blocks: list[nn.Module]) -> None:
     ``async_op`` unshards (FSDP2's ``_set_unshard_async_op``) the comm object returns
     a pending work ([Note: pending work] in comm/hierarchical.py) that FSDP2 waits on right
     before the block needs its parameters, and gloo moves the bytes on its own threads
-    meanwhile. The explicit forward prefetch (the root prefetches the first
-    ``FORWARD_PREFETCH_BLOCKS`` blocks, block k the ones after it) puts the next gathers in
-    flight before this block computes; in backward FSDP2 already prefetches the previous
+    meanwhile. The explicit forward prefetch (block k of a chain of sibling blocks,
+    ``sibling_blocks``, prefetches the ``FORWARD_PREFETCH_BLOCKS`` after it; with a single
+    chain, the root prefetches its first ones) puts the next gathers in flight before this
+    block computes; in backward FSDP2 already prefetches the previous
     block (reverse post-forward order) from each block's pre-backward hook. Up to two
     blocks' parameters beyond the computing one are gathered at a time in forward. The reduce-scatter stays synchronous on
     the host: FSDP2 reads its output right after the call (``foreach_reduce``).
     """
-    groups = [b for b in blocks if isinstance(b, FSDPModule)]
-    if not groups or not isinstance(root, FSDPModule):
+    if not isinstance(root, FSDPModule):
         return
     if hasattr(root, "_set_unshard_async_op"):  # private in torch 2.9-2.13; without it, gathers stay inline
         root._set_unshard_async_op(True)
-    root.set_modules_to_forward_prefetch(groups[:FORWARD_PREFETCH_BLOCKS])
-    for k, block in enumerate(groups):
-        block.set_modules_to_forward_prefetch(groups[k + 1 : k + 1 + FORWARD_PREFETCH_BLOCKS])
+    chains = sibling_blocks(root, blocks)
+    if len(chains) == 1:  # one model: its first blocks can be gathered while the root's part computes
+        root.set_modules_to_forward_prefetch(chains[0][:FORWARD_PREFETCH_BLOCKS])
+    for siblings in chains:
+        for k, block in enumerate(siblings):
+            block.set_modules_to_forward_prefetch(siblings[k + 1 : k + 1 + FORWARD_PREFETCH_BLOCKS])
+
+
+def sibling_blocks(root: nn.Module, blocks: list[nn.Module]) -> list[list[FSDPModule]]:
+    """The sharded blocks grouped by the module that holds them, in registration order.
+
+    Forward prefetch follows these chains only: the layers of one ``ModuleList`` (a
+    transformer's ``h`` or ``layers``) run one after the other, while blocks of different
+    parents may belong to different models of one job (PPO's actor, critic, reference and
+    reward), of which a forward runs one; prefetching across them gathered parameters that
+    no forward would use.
+    """
+    ids = {id(b) for b in blocks if isinstance(b, FSDPModule)}
+    chains: dict[int, list[FSDPModule]] = {}
+    for parent in root.modules():
+        for child in parent.children():
+            if id(child) in ids:
+                chains.setdefault(id(parent), []).append(child)  # type: ignore[arg-type]
+    return [chain for chain in chains.values() if len(chain) > 1]
 
 
 def offload_policy(config: ZeroConfig) -> OffloadPolicy:
