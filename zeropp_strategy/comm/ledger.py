@@ -23,6 +23,10 @@ rank may or may not be listed (it is never a destination). Per peer:
 - all_to_all(bytes_per_dest):   bytes_per_dest[j] to group rank j
 - broadcast(nbytes, src):       nbytes to every peer if this rank is src, else nothing
 
+A two-hop collective ([Note: two-hop collectives] in hierarchical.py) books each hop as
+its own call with the bytes that hop sends (``record``), so its inter-node bytes are what
+really crosses: one chunk per node pair, not one per rank pair.
+
 This is the algorithm-independent lower bound of what must leave the rank (a ring
 forwards other ranks' data too, a tree may route intra-node first), so it measures what a
 change to the *payload* saves, which is the thing ZeRO++ changes. Self-sends are never
