@@ -163,3 +163,24 @@ def test_precision_device_is_bound_late():
     plugin = ZeroPPPrecision("16-mixed", device="cuda")
     plugin.bind("cpu")
     assert plugin.device == "cpu" and plugin.scaler._device == "cpu"
+
+
+def test_hpz_fallback_message_names_the_real_reason():
+    """With one rank per node (simulated_nodes equal to the world size) hpZ's group is one
+    rank; the log must not call that 'a single node' right after reporting several nodes."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from zeropp_strategy import ZeroConfig
+    from zeropp_strategy.engine.core import ZeroEngine
+    from zeropp_strategy.topology import Topology
+
+    for per_node, want in ((1, "one rank per node"), (2, "a single node")):
+        messages: list[str] = []
+        engine = ZeroEngine(ZeroConfig(stage=3, hpz_partition_size=0),
+                            topology=Topology(world_size=2, rank=0, ranks_per_node=per_node),
+                            meshes=SimpleNamespace(intra_group=None, inter_group=None), ledger=None, precision=None,
+                            device=torch.device("cpu"), info=messages.append)
+        assert engine.reshard_after_forward() is True
+        assert len(messages) == 1 and "hpZ is off" in messages[0] and want in messages[0], messages

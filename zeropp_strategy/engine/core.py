@@ -183,10 +183,11 @@ class ZeroEngine:
         if self.stage == 2:
             return False
         if self.config.hpz_partition_size != 1 and self.hpz_partition_size == 1:
-            self.info(
-                f"zeropp: hpZ needs more than one group of ranks; all {self.world_size} ranks form one "
-                "(a single node), so backward gathers use the plain stage-3 path."
-            )
+            size = self.config.hpz_partition_size or self.topology.ranks_per_node
+            why = (f"its group would be {size} rank (one rank per node): a secondary shard of one rank is the "
+                   "whole model" if size <= 1 else
+                   f"its group of {size} ranks holds all {self.world_size} ranks (a single node)")
+            self.info(f"zeropp: hpZ is off: {why}, so backward gathers use the plain stage-3 path.")
         return self.hpz_partition_size if self.hpz_partition_size > 1 else True
 
     def comm_factories(self) -> tuple[Any, Any]:
