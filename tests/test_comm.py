@@ -509,6 +509,23 @@ def test_fsdp2_with_ledger_comms_matches_single_process(four_ranks):
 # -- deferred reduce-scatter (no process group needed) ------------------------------------------
 
 
+def _backward_calls(in_backward) -> None:  # noqa: ANN001
+    """Run a tiny backward whose only node calls ``in_backward()``, as FSDP2's hooks call
+    our reduce-scatter from inside backward."""
+
+    class Node(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):  # noqa: ANN001, ANN205
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):  # noqa: ANN001, ANN205
+            in_backward()
+            return g
+
+    Node.apply(torch.ones(2, requires_grad=True)).sum().backward()
+
+
 def test_deferral_waits_at_end_of_backward_and_raises_job_errors():
     from zeropp_strategy.comm.comm_thread import BackwardDeferral, CommThread
 
@@ -521,37 +538,19 @@ def test_deferral_waits_at_end_of_backward_and_raises_job_errors():
         started.wait(5)
         out.fill_(7.0)
 
-    class Hook(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):  # noqa: ANN001, ANN205
-            return x.clone()
+    def submit_slow() -> None:
+        deferral.submit(slow_job)  # returns before the job ran
+        assert out.sum() == 0
+        started.set()
 
-        @staticmethod
-        def backward(ctx, g):  # noqa: ANN001, ANN205
-            deferral.submit(slow_job)  # returns before the job ran
-            assert out.sum() == 0
-            started.set()
-            return g
-
-    x = torch.ones(2, requires_grad=True)
-    Hook.apply(x).sum().backward()
+    _backward_calls(submit_slow)
     assert out.tolist() == [7.0, 7.0, 7.0]  # finished before backward() returned
 
     def failing_job(_groups) -> None:
         raise RuntimeError("reduce failed on the comm thread")
 
-    class Failing(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):  # noqa: ANN001, ANN205
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, g):  # noqa: ANN001, ANN205
-            deferral.submit(failing_job)
-            return g
-
     with pytest.raises(RuntimeError, match="reduce failed on the comm thread"):
-        Failing.apply(torch.ones(2, requires_grad=True)).sum().backward()
+        _backward_calls(lambda: deferral.submit(failing_job))
     deferral.submit(lambda _groups: out.fill_(1.0))  # outside backward: runs and is waited at once
     assert out.tolist() == [1.0, 1.0, 1.0]
     thread.close()
