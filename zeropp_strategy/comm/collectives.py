@@ -3,7 +3,6 @@
 Three ways in, one per caller:
 - FSDP2 comm objects, ``LedgerAllGather`` / ``LedgerReduceScatter``, installed with
   ``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter`` (stages 2/3);
-- a DDP comm hook, ``ledger_allreduce_hook`` (stage 1's gradient all-reduce);
 - thin wrappers, ``all_reduce`` / ``all_gather_into`` / ``broadcast`` (everything else).
 
 Bytes are booked when the collective is issued (before an async one completes): the
@@ -11,16 +10,15 @@ payload is fixed by then, and booking at wait() would miss collectives nobody wa
 Byte counts follow [Note: ledger byte model] in ``ledger.py``.
 """
 
-# No ``from __future__ import annotations`` here: DDP's register_comm_hook inspects the
-# hook's ``bucket`` annotation and requires the real ``dist.GradBucket`` object.
+from __future__ import annotations
+
 import weakref
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from zeropp_strategy.comm.comm_thread import BackwardDeferral
+from zeropp_strategy.comm.comm_thread import BackwardDeferral, ThreadGroups
 from zeropp_strategy.comm.hierarchical import NodeGroups, all_gather, native_all_gather, reduce_scatter
 from zeropp_strategy.comm.ledger import CommKind, CommLedger, Phase
 
@@ -31,14 +29,12 @@ except ImportError:  # pragma: no cover - a torch that re-exports them publicly
 
 __all__ = [
     "LedgerAllGather",
-    "LedgerHookState",
     "LedgerReduceScatter",
     "all_gather_into",
     "all_reduce",
     "broadcast",
     "deferrable",
     "group_ranks",
-    "ledger_allreduce_hook",
     "tensor_bytes",
 ]
 
@@ -145,6 +141,17 @@ class LedgerReduceScatter(EmptyAlloc, ReduceScatter):
         self.deferral = deferral
         self.params: list[torch.Tensor] = []
 
+    def defer(self, ranks: list[int], output: torch.Tensor, op: _ReduceOp,
+              job: Callable[[ThreadGroups], object]) -> bool:
+        """Hand ``job`` (this reduce on the comm thread's groups) to the deferral when this
+        call may finish at the end of backward: a deferral is set, the group is the world
+        (the thread's groups mirror it) and ``deferrable``. Returns whether it did."""
+        if self.deferral is None or ranks != list(range(dist.get_world_size())) or not deferrable(
+                self.params, output, op):
+            return False
+        self.deferral.submit(job)
+        return True
+
     def __call__(
         self,
         output_tensor: torch.Tensor,
@@ -156,11 +163,9 @@ class LedgerReduceScatter(EmptyAlloc, ReduceScatter):
         ranks = group_ranks(group)
         if self.wire_dtype is not None and input_tensor.is_floating_point():
             input_tensor = input_tensor.to(self.wire_dtype)
-        if self.deferral is not None and ranks == list(range(dist.get_world_size())) and deferrable(
-                self.params, output_tensor, op):
-            self.deferral.submit(lambda g: reduce_scatter(
+        if self.defer(ranks, output_tensor, op, lambda g: reduce_scatter(
                 output_tensor, input_tensor, group=g.world, ranks=ranks, op=op, ledger=self.ledger,
-                kind=CommKind.GRAD_REDUCE, nodes=g.nodes))
+                kind=CommKind.GRAD_REDUCE, nodes=g.nodes)):
             return None
         return reduce_scatter(output_tensor, input_tensor, group=group, ranks=ranks, op=op,
                               ledger=self.ledger, kind=CommKind.GRAD_REDUCE, nodes=self.nodes, async_op=async_op)
@@ -224,38 +229,3 @@ def broadcast(
     """
     ledger.record_broadcast(kind, tensor_bytes(tensor), src, group_ranks(group))
     return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
-
-
-# -- DDP comm hook (stage 1) ------------------------------------------------------------
-
-
-@dataclass
-class LedgerHookState:
-    """State for ``ledger_allreduce_hook``: where to book, and which group (None = world)."""
-
-    ledger: CommLedger
-    process_group: dist.ProcessGroup | None = None
-
-
-def ledger_allreduce_hook(
-    state: LedgerHookState, bucket: dist.GradBucket
-) -> torch.futures.Future[torch.Tensor]:
-    """Average one gradient bucket over the group, as DDP does without a hook, and book it.
-
-        ddp.register_comm_hook(LedgerHookState(ledger), ledger_allreduce_hook)
-
-    Bytes per rank: ``ceil(2 * bucket_bytes / n)`` to every other rank, kind
-    ``GRAD_REDUCE``.
-
-    DDP's built-in path scales each gradient by the double ``1 / n`` while copying it
-    into the bucket (``mul``), then SUM-all-reduces. ``x / n`` and ``x * (1 / n)`` differ
-    in the last bit when ``n`` is not a power of two, so we multiply by the same scalar
-    too: the grads are then bit-identical to hook-less DDP for any group size.
-    """
-    group = state.process_group if state.process_group is not None else dist.group.WORLD
-    buffer = bucket.buffer()
-    buffer.mul_(1.0 / dist.get_world_size(group))
-    state.ledger.record_all_reduce(CommKind.GRAD_REDUCE, tensor_bytes(buffer), group_ranks(group))
-    work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    # DDP copies the future's tensor back into the bucket; the reduced buffer is it.
-    return work.get_future().then(lambda fut: fut.value()[0])

@@ -28,7 +28,7 @@ all-gather (input s, everyone gets all W chunks in rank order):
           per rank: (M-1) s e across, (L-1) M s e within; W (M-1) s e across in all.
 For the 2 x 2 simulated cluster: reduce-scatter crosses with s e per rank (flat
 all-to-all 2 s e, gloo's all-reduce-based one 3 s e); all-gather 4 s e in all against
-the ring's 6 s e. Measured in benchmarks/collectives.py.
+the ring's 6 s e. Measured on the veth by benchmarks/volume.py (docs/benchmarks_volume.md).
 
 Sums run in fp32 when the wire dtype is 16-bit (``reduce_dtype="bf16"``): each element is
 rounded to bf16 once per hop, never accumulated in bf16. AVG divides the sum by W after

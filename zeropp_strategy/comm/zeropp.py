@@ -38,7 +38,6 @@ from zeropp_strategy.comm.collectives import (
     EmptyAlloc,
     LedgerReduceScatter,
     ReduceScatter,
-    deferrable,
     group_ranks,
     param_gather_kind,
     tensor_bytes,
@@ -149,7 +148,6 @@ class HierarchicalQuantReduceScatter(EmptyAlloc, ReduceScatter):
     ) -> dist.Work | None:
         topo = self.topology
         ranks = group_ranks(group)
-        s = output_tensor.numel()
         usable = (
             ranks == list(range(topo.world_size))
             and op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
@@ -159,10 +157,8 @@ class HierarchicalQuantReduceScatter(EmptyAlloc, ReduceScatter):
         )
         if not usable:
             return self.plain(output_tensor, input_tensor, group, op, async_op)
-        deferral = self.plain.deferral
-        if deferral is not None and deferrable(self.params, output_tensor, op):
-            deferral.submit(lambda g: self._quantized(output_tensor, input_tensor, op, g.nodes.intra_group,
-                                                      g.nodes.inter_group))
+        if self.plain.defer(ranks, output_tensor, op, lambda g: self._quantized(
+                output_tensor, input_tensor, op, g.nodes.intra_group, g.nodes.inter_group)):
             return None
         self._quantized(output_tensor, input_tensor, op, self.intra_group, self.inter_group)
         return None
