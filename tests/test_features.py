@@ -201,15 +201,30 @@ def scenario_fit_validate_test_predict(rank):
         seed_everything(0)
         m = ParityModule()
         t = _trainer(strategy, max_steps=6, limit_val_batches=3)
+        held = {}  # per phase: (params held, formula); evaluation must not leave a block gathered
+
+        def record(phase):
+            if strategy != "ddp":
+                mem = t.strategy.memory_stats()
+                held[phase] = (mem.param_bytes, mem.predicted_param_bytes)
+
         t.fit(m)
+        record("fit")
         train = t.callback_metrics["train_loss"].item()
         val = t.validate(m, verbose=False)[0]["val_loss"]
+        record("validate")
         test = t.test(m, verbose=False)[0]["test_loss"]
+        record("test")
         preds = torch.cat(t.predict(m))
-        return val, test, preds.tolist(), train
+        record("predict")
+        return (val, test, preds.tolist(), train), held
 
-    ref = run("ddp")
-    return {stage: {"got": run(stage), "ref": ref} for stage in STAGES}
+    ref, _ = run("ddp")
+    out = {}
+    for stage in STAGES:
+        got, held = run(stage)
+        out[stage] = {"got": got, "ref": ref, "held": held}
+    return out
 
 
 def scenario_activation_checkpointing(rank):
@@ -386,6 +401,13 @@ def test_fit_validate_test_predict_in_one_process(runs):
             assert abs(val - rval) <= 1e-5 and abs(test - rtest) <= 1e-5, (stage, r)
             assert abs(train - rtrain) <= 1e-5, (stage, "sync_dist logged loss", r)
             assert preds == rpreds, stage
+            # Issue 19 item 8: after each of fit/validate/test/predict every block, the
+            # root included, is resharded: params held stay those of training's rest state,
+            # the stage's formula up to the uneven last rows (rank 0 holds ceil(rows / N)).
+            at_rest, formula = r["held"]["fit"]
+            assert formula <= at_rest <= formula * 1.03, (stage, r["held"])
+            for phase, (held, _) in r["held"].items():
+                assert held == at_rest, (stage, phase, r["held"])
 
 
 def test_activation_checkpointing_matches_ddp(runs):

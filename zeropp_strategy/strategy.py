@@ -672,6 +672,28 @@ class ZeroPPStrategy(ProcessMixin, ParallelStrategy):
         if self.is_global_zero:
             remove_path(Path(filepath))
 
+    # -- end of an evaluation loop --------------------------------------------------------
+    # A forward without backward leaves gathered what only backward reshards: the root
+    # (FSDP2 never reshards it after forward) and, at stage 2, every block. Training
+    # reshards them in its next backward; after validate / test / predict nothing would,
+    # and the gathered parameters stayed held (issue 19, item 8).
+
+    def on_validation_end(self) -> None:
+        super().on_validation_end()
+        self._reshard()
+
+    def on_test_end(self) -> None:
+        super().on_test_end()
+        self._reshard()
+
+    def on_predict_end(self) -> None:
+        super().on_predict_end()
+        self._reshard()
+
+    def _reshard(self) -> None:
+        for group in self._fsdp_groups():
+            group.reshard()  # a no-op for a group that is already sharded
+
     # -- teardown ------------------------------------------------------------------------
 
     def on_exception(self, exception: BaseException) -> None:

@@ -106,6 +106,9 @@ class MemoryStats:
         lines = [f"memory rank {self.rank} (stage {self.stage}, N={self.world_size}, P={self.num_params:,})"]
         lines.append(f"  {'':10s} {'held MiB':>10s} {'formula MiB':>11s}")
         lines += [f"  {name:10s} {held / mb:10.3f} {pred / mb:11.3f}" for name, held, pred in rows]
+        if self.grad_bytes == 0 and self.predicted_grad_bytes:
+            # Lightning frees gradients before each validation (zero_grad(set_to_none=True))
+            lines.append("  (no gradients held now: zero_grad(set_to_none=True) freed them)")
         if self.offloaded_cpu_bytes or self.offloaded_nvme_bytes:
             lines.append(
                 f"  offloaded optimizer state: {self.offloaded_cpu_bytes / mb:.3f} MiB host RAM, "
