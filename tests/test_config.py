@@ -562,8 +562,8 @@ def test_reduce_dtype_and_deepspeed_communication_data_type():
     with pytest.raises(ValueError, match=r"ZeroConfig.reduce_dtype='int8' is invalid.*Fix: use reduce_dtype='fp32'"):
         ZeroConfig(reduce_dtype="int8")
     ds = {"zero_optimization": {"stage": 3}}
-    for given, want in (("bf16", "bf16"), ("bfloat16", "bf16"), ("FP16", "fp16"), ("fp32", "fp32"), ("auto", None)):
-        assert ZeroConfig.from_deepspeed({**ds, "communication_data_type": given}).reduce_dtype == want
+    for ds_name, want in (("bf16", "bf16"), ("bfloat16", "bf16"), ("FP16", "fp16"), ("fp32", "fp32"), ("auto", None)):
+        assert ZeroConfig.from_deepspeed({**ds, "communication_data_type": ds_name}).reduce_dtype == want
     with pytest.raises(ValueError, match=r"communication_data_type='fp8' is invalid"):
         ZeroConfig.from_deepspeed({**ds, "communication_data_type": "fp8"})
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import csv
 import os
+import sys
 import tempfile
 import warnings
 from importlib import resources
@@ -26,10 +27,12 @@ from pathlib import Path
 
 import lightning.pytorch as L
 import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, Dataset
 
 import zeropp_strategy  # noqa: F401  (registers "zeropp", "zeropp_stage_{1,2,3}" with Lightning)
+from zeropp_strategy.cli import ArgumentParser, UsageError, run
 
 # -----------------------------------------------------------------------------
 # data: bytes in, bytes out. No tokenizer files, nothing to download.
@@ -134,7 +137,7 @@ _OUTPUT_DIR_ENV = "ZEROPP_DEMO_OUTPUT_DIR"
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description="Train a tiny causal LM under a ZeRO strategy on CPU.")
+    p = ArgumentParser(prog=prog, description="Train a tiny causal LM under a ZeRO strategy on CPU.")
     p.add_argument("--strategy", default="zeropp", help="Lightning strategy name (default: zeropp; try ddp)")
     p.add_argument("--devices", type=int, default=2, help="CPU processes (default: 2)")
     p.add_argument("--max-steps", type=int, default=60, help="optimizer steps (default: 60)")
@@ -186,28 +189,32 @@ def _monitors(strategy: str) -> list:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    args = build_parser(prog).parse_args(argv)
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
     output_dir = _output_dir(args.output_dir)
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     L.seed_everything(args.seed, workers=True, verbose=False)
 
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=args.devices,
-        strategy=args.strategy,
-        precision=args.precision,
-        max_steps=args.max_steps,
-        # validate three times, counted in steps across epochs (an epoch is ~25 steps)
-        val_check_interval=max(1, args.max_steps // 3),
-        check_val_every_n_epoch=None,
-        limit_val_batches=4,
-        logger=CSVLogger(output_dir),
-        callbacks=_monitors(args.strategy),
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        # every 5 steps, but at least twice in a short run so "from -> to" means something
-        log_every_n_steps=max(1, min(5, args.max_steps // 4)),
-    )
+    try:  # Lightning checks --strategy, --precision and --devices here
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=args.devices,
+            strategy=args.strategy,
+            precision=args.precision,
+            max_steps=args.max_steps,
+            # validate three times, counted in steps across epochs (an epoch is ~25 steps)
+            val_check_interval=max(1, args.max_steps // 3),
+            check_val_every_n_epoch=None,
+            limit_val_batches=4,
+            logger=CSVLogger(output_dir),
+            callbacks=_monitors(args.strategy),
+            enable_checkpointing=False,
+            enable_model_summary=False,
+            # every 5 steps, but at least twice in a short run so "from -> to" means something
+            log_every_n_steps=max(1, min(5, args.max_steps // 4)),
+        )
+    except (ValueError, MisconfigurationException) as err:
+        raise UsageError(f"{parser.prog}: {err}", f"see `{parser.prog} --help`") from None
     trainer.fit(TinyCausalLM(batch_size=args.batch_size))
 
     # One print per rank, in rank order: a block built whole cannot interleave.
@@ -233,4 +240,4 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run(main, sys.argv[1:]))  # a UsageError as one line and status 2, as under `zeropp demo`

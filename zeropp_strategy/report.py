@@ -14,18 +14,19 @@ and draws what is in it:
 - ``throughput.png``: tokens/s and model TFLOP/s per step (``ThroughputMonitor``);
 
 and ``report.md``: the numbers behind them and the images. A plot whose metrics were not
-logged is skipped and the summary says which callback logs them. Needs matplotlib
-(``pip install "zeropp-strategy[report]"``).
+logged is skipped and the summary says which callback logs them. Needs matplotlib, a
+dependency of the package: ``zeropp demo`` ends by suggesting this command.
 """
 
 from __future__ import annotations
 
-import argparse
 import csv
 import math
 import statistics
 from pathlib import Path
 from typing import Any
+
+from zeropp_strategy.cli import ArgumentParser, MissingPathError, UsageError
 
 __all__ = ["find_metrics", "main", "make_report", "read_metrics"]
 
@@ -39,8 +40,9 @@ def find_metrics(run_dir: str | Path) -> Path:
         return root
     found = sorted(root.rglob("metrics.csv"), key=lambda p: p.stat().st_mtime) if root.is_dir() else []
     if not found:
-        raise FileNotFoundError(f"zeropp report: no metrics.csv under {str(run_dir)!r}. Fix: point it at the folder "
-                                "of a run logged with lightning's CSVLogger (Trainer(logger=CSVLogger(DIR))).")
+        raise MissingPathError(f"zeropp report: no metrics.csv under {str(run_dir)!r}", "point it at the folder of a "
+                               "run logged with lightning's CSVLogger (Trainer(logger=CSVLogger(DIR))), e.g. the "
+                               "folder `zeropp demo` prints last")
     return found[-1]
 
 
@@ -71,9 +73,9 @@ def _plt() -> Any:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except ImportError:
-        raise ImportError("zeropp report needs matplotlib. Fix: pip install \"zeropp-strategy[report]\" "
-                          "(or pip install matplotlib).") from None
+    except ImportError as err:  # a dependency, so only missing from a broken or --no-deps install
+        raise UsageError(f"zeropp report needs matplotlib, which does not import ({err})",
+                         "pip install matplotlib") from None
     return plt
 
 
@@ -85,8 +87,8 @@ def _save(fig: Any, path: Path) -> None:
 def make_report(run_dir: str | Path, out: str | Path | None = None) -> dict[str, Any]:
     """Write the PNGs and ``report.md`` to ``out`` (default ``RUN_DIR/report``). Returns,
     per plot, its file, title, axis labels and series (what the tests check)."""
-    plt = _plt()
     metrics_path = find_metrics(run_dir)
+    plt = _plt()
     data = read_metrics(metrics_path)
     out_dir = Path(out) if out is not None else Path(run_dir) / "report"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -213,7 +215,7 @@ def make_report(run_dir: str | Path, out: str | Path | None = None) -> dict[str,
 
 
 def main(argv: list[str] | None = None, prog: str = "zeropp report") -> int:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", metavar="RUN_DIR", help="a CSVLogger run folder (or any folder above it)")
     parser.add_argument("--out", default=None, help="where the PNGs and report.md go (default: RUN_DIR/report)")
     args = parser.parse_args(argv)

@@ -27,7 +27,6 @@ every rank; rank 0 writes the summary.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import time
@@ -38,6 +37,8 @@ from typing import Any
 import torch
 import yaml
 
+from zeropp_strategy.cli import ArgumentParser, MissingPathError, UsageError, check_arguments
+
 __all__ = ["DEFAULT_RECIPE", "load_recipe", "main", "run_pipeline"]
 
 DEFAULT_RECIPE = "pipeline.yaml"  # shipped in zeropp_strategy/recipes/
@@ -45,28 +46,56 @@ STAGES = ("sft", "reward", "ppo")
 
 
 def load_recipe(path: str | None) -> dict[str, Any]:
-    """The recipe at ``path``, or the embedded default; checked for unknown blocks."""
+    """The recipe at ``path``, or the embedded default; checked for unknown blocks and keys
+    (``UsageError``) before anything starts."""
     if path is None:
         text = resources.files("zeropp_strategy.recipes").joinpath(DEFAULT_RECIPE).read_text("utf-8")
         where = f"<embedded {DEFAULT_RECIPE}>"
     else:
         if not Path(path).is_file():
-            raise FileNotFoundError(f"zeropp pipeline --config {path!r}: no such file. Fix: pass a recipe path, "
-                                    "or omit --config for the embedded default.")
+            raise MissingPathError(f"zeropp pipeline --config {path!r}: no such file",
+                                   "pass a recipe path, or omit --config for the embedded default")
         text, where = Path(path).read_text("utf-8"), path
-    recipe = yaml.safe_load(text) or {}
+    try:
+        recipe = yaml.safe_load(text) or {}
+    except yaml.YAMLError as err:
+        raise UsageError(f"{where} is not valid YAML: {err}", "correct the line it names") from None
     if not isinstance(recipe, dict):
-        raise ValueError(f"{where} must be a mapping with blocks trainer, sft, reward, ppo.")
+        raise UsageError(f"{where} is not a mapping", "give it the blocks trainer, sft, reward and ppo")
     unknown = sorted(set(recipe) - {"trainer", *STAGES})
     if unknown:
-        raise ValueError(f"{where}: unknown block(s) {unknown}. Fix: use only trainer, sft, reward and ppo.")
+        raise UsageError(f"{where}: unknown block(s) {unknown}", "use only trainer, sft, reward and ppo")
+    for stage in STAGES:
+        extra = sorted(set(_mapping(recipe.get(stage), f"{where}: {stage}")) - {"model", "trainer"})
+        if extra:
+            raise UsageError(f"{where}: {stage} has unknown key(s) {extra}", f"put module arguments under "
+                             f"{stage}.model and Trainer arguments under {stage}.trainer")
+    _check_keys(recipe, where)
+    return recipe
+
+
+def _check_keys(recipe: dict[str, Any], where: str) -> None:
+    """Each ``model`` block against its module's ``__init__``, each ``trainer`` block against ``Trainer``'s."""
+    from lightning.pytorch import Trainer
+
+    from zeropp_strategy.rlhf.modules import RewardModule, SFTModule
+    from zeropp_strategy.rlhf.ppo import PPOModule
+
+    modules = {"sft": SFTModule, "reward": RewardModule, "ppo": PPOModule}
+    check_arguments(Trainer, _mapping(recipe.get("trainer"), f"{where}: trainer"), f"{where}: trainer")
     for stage in STAGES:
         block = recipe.get(stage) or {}
-        extra = sorted(set(block) - {"model", "trainer"})
-        if extra:
-            raise ValueError(f"{where}: {stage} has unknown key(s) {extra}. Fix: put module arguments under "
-                             f"{stage}.model and Trainer arguments under {stage}.trainer.")
-    return recipe
+        for key, func in (("model", modules[stage]), ("trainer", Trainer)):
+            name = f"{where}: {stage}.{key}"
+            check_arguments(func, _mapping(block.get(key), name), name)
+
+
+def _mapping(value: Any, where: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise UsageError(f"{where} is {value!r}, not a mapping", "write it as `key: value` lines indented under it")
+    return value
 
 
 def _trainer(recipe: dict[str, Any], stage: str, overrides: dict[str, Any], root: Path) -> Any:
@@ -192,7 +221,7 @@ def run_pipeline(recipe: dict[str, Any], output_dir: str | Path, *, strategy: st
 
 
 def main(argv: list[str] | None = None, prog: str = "zeropp pipeline") -> int:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=None, help="pipeline recipe (default: the embedded one)")
     parser.add_argument("--output-dir", required=True, help="where the three models and summary.json go")
     parser.add_argument("--strategy", default=None, help="override trainer.strategy (e.g. ddp, zeropp_stage_2)")
