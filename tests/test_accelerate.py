@@ -55,6 +55,7 @@ def test_accelerate_conformance_script_passes_through_the_launch_module(stage, t
     assert "Training yielded the same results on one CPU or distributed setup with no batch split." in out
     assert "Training yielded the same results on one CPU or distributed setup with batch split." in out
     assert f"zeropp: ZeroPPAccelerator stage {stage}" in out, out[-3000:]
+    assert "found in sys.modules" not in out, out[-3000:]
 
 
 def _loop(accelerator_cls, world, tmp, *, steps_before_save=None, resume_from=None, save_to=None, stage=None):
@@ -131,9 +132,12 @@ def test_accelerate_loop_matches_ddp_and_resumes_exactly(tmp_path):
 
 
 def test_launch_module_usage_errors():
-    proc = subprocess.run([sys.executable, "-m", "zeropp_strategy.accelerate.launch"], capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run([sys.executable, "-W", "default", "-m", "zeropp_strategy.accelerate.launch"],
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "usage:" in proc.stderr
+    # Nothing imports the launch module when its package is imported (runpy would warn
+    # that it is "found in sys.modules" and run it a second time).
+    assert "Warning" not in proc.stderr, proc.stderr
     proc = subprocess.run([sys.executable, "-m", "zeropp_strategy.accelerate.launch", "no_such_script.py"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "no_such_script.py" in proc.stderr

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import errno
+import logging
 import os
 import shutil
 import stat
@@ -355,15 +356,31 @@ def _diff(a, b) -> float:
     return 0.0 if a == b else float("inf")
 
 
+class _Lines(logging.Handler):
+    """The messages of the log records it sees."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
 def _parity_worker(rank, world, tmp):
     import zeropp_strategy  # noqa: F401
 
     out = {}
     refs = {}
+    log = _Lines()  # Lightning's rank-zero INFO lines (the engine's `info`)
+    logging.getLogger("lightning.pytorch").addHandler(log)
     for name, (stage, kw, impl) in PARITY.items():
         if (stage, impl) not in refs:
             refs[(stage, impl)] = _full(_fit(_strategy(stage, {}, tmp), world, _module(impl)))
+        log.lines.clear()
         t = _fit(_strategy(stage, kw, tmp), world, _module(impl))
+        offload_lines = [line for line in log.lines if "zeropp: offload_" in line]
+        swap_dirs = [s.swap_dir for s in [t.strategy._param_store, _offloaded(t.optimizers[0])] if s and s.swap_dir]
         store = t.strategy._param_store
         if store:
             store.flush()  # the last step's write-behind
@@ -381,8 +398,34 @@ def _parity_worker(rank, world, tmp):
             "ref_lr": ref[1]["param_groups"][0]["lr"],
             "device_optimizer_bytes": stats.optimizer_bytes,
             "offloaded": (stats.offloaded_cpu_bytes, stats.offloaded_nvme_bytes),
+            "offload_lines": offload_lines,
+            "swap_dirs": swap_dirs,
         }
     return out
+
+
+def _offloaded(optimizer):
+    from zeropp_strategy.engine.memory import offloaded
+
+    return offloaded(getattr(optimizer, "optimizer", optimizer)) or offloaded(optimizer)
+
+
+def _check_offload_lines(rank: int, name: str, r: dict) -> None:
+    """Rank 0 says once per offloaded optimizer and model what went where; NVMe lines name
+    that rank's swap directory and the free space; the other ranks say nothing."""
+    lines = r["offload_lines"]
+    if rank != 0:
+        assert lines == [], (name, lines)
+        return
+    kw = PARITY[name][1]
+    assert len(lines) == len(kw), (name, lines)
+    for field, device in kw.items():
+        [line] = [line for line in lines if line.startswith(f"zeropp: {field}={device!r}: ")]
+        assert ("AdamW state" if field == "offload_optimizer" else "parameter shards") in line, line
+        if device == "cpu":
+            assert line.endswith("host memory (CPU)"), line
+        else:
+            assert "GiB free" in line and any(d in line for d in r["swap_dirs"]), (line, r["swap_dirs"])
 
 
 # -- NVMe parameters: write-behind (2 gloo ranks, FSDP2 without a Trainer) -----------------------
@@ -587,6 +630,7 @@ def test_every_offload_mode_trains_like_no_offload(tmp_path):
                 assert r["offloaded"][1] > 0, r
             if PARITY[name][1].get("offload_param") == "nvme":
                 assert r["param_disk"] > 0 and r["param_resident_after"] == 0, r
+            _check_offload_lines(rank, name, r)
     assert list(tmp_path.iterdir()) == []
 
 

@@ -141,7 +141,88 @@ def test_export_loads_with_from_pretrained_and_generates(tmp_path):
 # -- two ranks: the same PPO steps under zeropp stage 3 and DDP; gather once at stage 3 ----------
 
 
+def _view_output_module():
+    """A PPO-like module (manual optimization, every forward through ``self(kind, ...)``)
+    small enough to have no FSDP block: everything is in the root group. ``values`` is a
+    view (``squeeze``), and the step masks it in place, as value losses do. Without the
+    root copying views ([Note: root outputs are not views] in engine/fsdp.py) FSDP2's
+    pre-backward hook on that output is lost, the root's gradients are never
+    reduce-scattered and stage 3 steps on none."""
+    from lightning.pytorch import LightningModule
+    from torch import nn
+
+    class ViewOutputPPO(LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+            self.body = nn.Sequential(nn.Linear(8, 16), nn.Tanh())
+            self.policy_head, self.value_head = nn.Linear(16, 5), nn.Linear(16, 1)
+
+        def forward(self, kind, x):
+            h = self.body(x)
+            return self.policy_head(h) if kind == "actor" else self.value_head(h).squeeze(-1)
+
+        def training_step(self, batch, batch_idx):
+            # Actor and critic updated one after the other, each with its own backward
+            # (as DeepSpeed-Chat's PPO trainer does).
+            x, actions, returns, mask = batch
+            opt_actor, opt_critic = self.optimizers()
+            with torch.no_grad():
+                baseline = self("values", x)
+            logp = torch.log_softmax(self("actor", x), -1).gather(-1, actions[:, None]).squeeze(-1)
+            opt_actor.zero_grad()
+            self.manual_backward(-(logp * (returns - baseline)).mean())
+            opt_actor.step()
+            values = self("values", x)
+            values.mul_(mask)  # in place on the root's view output
+            opt_critic.zero_grad()
+            self.manual_backward(((values - returns * mask) ** 2).mean())
+            opt_critic.step()
+
+        def configure_optimizers(self):
+            return (torch.optim.SGD([*self.body.parameters(), *self.policy_head.parameters()], lr=0.5),
+                    torch.optim.SGD(self.value_head.parameters(), lr=0.5))
+
+        def train_dataloader(self):
+            g = torch.Generator().manual_seed(self.global_rank)
+            data = torch.utils.data.TensorDataset(torch.randn(8, 8, generator=g), torch.randint(0, 5, (8,), generator=g),
+                                                  torch.randn(8, generator=g), (torch.rand(8, generator=g) > 0.3).float())
+            return torch.utils.data.DataLoader(data, batch_size=4)
+
+    return ViewOutputPPO()
+
+
+def _view_output_params(world: int, tmp: str) -> dict[str, dict[str, torch.Tensor]]:
+    """Full parameters of ``_view_output_module`` after two steps, under DDP and stage 3."""
+    from lightning.pytorch import Trainer, seed_everything
+
+    from zeropp_strategy.engine.state import full_model_state
+
+    out = {}
+    for strategy in ("ddp_find_unused_parameters_true", "zeropp_stage_3"):  # each backward uses some params
+        seed_everything(0)
+        module = _view_output_module()
+        trainer = Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=2, logger=False,
+                          enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                          default_root_dir=tmp, use_distributed_sampler=False)
+        trainer.fit(module)
+        out[strategy.split("_")[0]] = full_model_state(module) if strategy.startswith("zeropp") else {
+            k: v.detach().clone() for k, v in module.state_dict().items()}
+    return out
+
+
 def _ppo_run(rank: int, world: int, tmp: str) -> dict:
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = _ppo_runs(rank, world, tmp)
+        out["view_case"] = _view_output_params(world, tmp)
+    out["warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught]
+    return out
+
+
+def _ppo_runs(rank: int, world: int, tmp: str) -> dict:
     from lightning.pytorch import Callback, Trainer, seed_everything
 
     import zeropp_strategy  # noqa: F401
@@ -197,6 +278,20 @@ def test_ppo_steps_under_stage3_equal_ddp(two_ranks):
         ddp, zero = torch.tensor(result["ddp"]), torch.tensor(result["zeropp_stage_3"])
         assert ddp.shape == zero.shape == (2, 5)
         torch.testing.assert_close(zero, ddp, atol=1e-5, rtol=1e-4)
+
+
+def test_stage3_gradients_survive_in_place_ops_on_view_outputs(two_ranks):
+    for result in two_ranks:
+        ddp, zero = result["view_case"]["ddp"], result["view_case"]["zeropp"]
+        assert ddp.keys() == zero.keys()
+        for k in ddp:
+            torch.testing.assert_close(zero[k], ddp[k], atol=1e-6, rtol=1e-5, msg=k)
+
+
+def test_ppo_runs_without_fsdp_view_warnings(two_ranks):
+    for result in two_ranks:
+        views = [w for w in result["warnings"] if "view tensor" in w]
+        assert not views, views[:1]
 
 
 def test_stage3_generation_gathers_each_block_once(two_ranks):

@@ -38,7 +38,6 @@ from accelerate.utils import DistributedType, convert_outputs_to_fp32
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from zeropp_strategy.accelerate.launch import torchrun_without_gpu
 from zeropp_strategy.checkpoint.objects import load_objects, save_objects
 from zeropp_strategy.config import ZeroConfig
 from zeropp_strategy.engine.core import (
@@ -64,6 +63,15 @@ log = logging.getLogger(__name__)
 CONFIG_ENV = "ZEROPP_CONFIG"
 _PRECISION = {"no": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
 _STATE_DIR = "zeropp_state"
+
+
+def torchrun_without_gpu() -> bool:
+    """Under torchrun (``LOCAL_RANK`` set) on a machine without CUDA, and the CPU not asked
+    for: Accelerate would fall back to ``DistributedType.NO`` and every process would train
+    alone. Asking for the CPU makes it form the gloo group instead (``MULTI_CPU``).
+    It lives here, not in ``launch``: importing that module from its package would make
+    ``python -m zeropp_strategy.accelerate.launch`` warn (runpy) and execute it twice."""
+    return "LOCAL_RANK" in os.environ and "ACCELERATE_USE_CPU" not in os.environ and not torch.cuda.is_available()
 
 
 def config_from_env() -> ZeroConfig:

@@ -9,6 +9,9 @@ In each process, before the script runs, ``accelerate.Accelerator`` (and
 ``from accelerate import Accelerator`` in the script gets ours; the plugin settings come
 from the file named by ``$ZEROPP_CONFIG`` (ZeroConfig YAML or DeepSpeed JSON; default:
 stage 3). The script then runs as ``__main__`` with its own arguments in ``sys.argv``.
+
+Nothing in the package imports this module: ``python -m`` executes it as ``__main__``,
+and a copy already in ``sys.modules`` would make runpy warn and run it twice.
 """
 
 from __future__ import annotations
@@ -31,17 +34,10 @@ def install() -> None:
     accelerate.accelerator.Accelerator = ZeroPPAccelerator  # type: ignore[misc]
 
 
-def torchrun_without_gpu() -> bool:
-    """Under torchrun (``LOCAL_RANK`` set) on a machine without CUDA, and the CPU not asked
-    for: Accelerate would fall back to ``DistributedType.NO`` and every process would train
-    alone. Asking for the CPU makes it form the gloo group instead (``MULTI_CPU``)."""
-    import torch
-
-    return "LOCAL_RANK" in os.environ and "ACCELERATE_USE_CPU" not in os.environ and not torch.cuda.is_available()
-
-
 def use_cpu_when_no_gpu() -> None:
     """``ACCELERATE_USE_CPU=true`` when ``torchrun_without_gpu()``, for the user's own Accelerator."""
+    from zeropp_strategy.accelerate import torchrun_without_gpu
+
     if torchrun_without_gpu():
         os.environ["ACCELERATE_USE_CPU"] = "true"
 

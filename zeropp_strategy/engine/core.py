@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import shutil
 from datetime import timedelta
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
@@ -40,7 +41,7 @@ from zeropp_strategy.comm.hierarchical import NodeGroups
 from zeropp_strategy.comm.ledger import CommKind, CommLedger
 from zeropp_strategy.config import ZeroConfig
 from zeropp_strategy.engine.dtensor import local as _local
-from zeropp_strategy.engine.fsdp import fsdp_modules, materialize, replicated_params, shard_module
+from zeropp_strategy.engine.fsdp import ShardedRoot, fsdp_modules, materialize, replicated_params, shard_module
 from zeropp_strategy.engine.stage1 import ShardedOptimizer
 from zeropp_strategy.engine.stage1_reduce import PartitionedReduce, partitioned_reduce_hook
 from zeropp_strategy.engine.watchdog import PeerWatchdog
@@ -294,6 +295,8 @@ class ZeroEngine:
             all_gather=all_gather,
             reduce_scatter=reduce_scatter,
         )
+        model = root.module if isinstance(root, ShardedRoot) else root
+        what = f"parameter shards and gradients of {type(model).__name__}"
         if self.config.offload_param.device == "nvme":
             from zeropp_strategy.offload.params import ParamStore
 
@@ -302,7 +305,24 @@ class ZeroEngine:
                 lambda: ParamStore(root, self.config.offload_param, rank=self.rank),
             )
             self.param_stores.append(store)
+            self.log_offload("offload_param", what, store.swap_dir)
+        elif self.config.offload_param.device == "cpu":
+            self.log_offload("offload_param", what)
         return blocks
+
+    def log_offload(self, field: str, what: str, swap_dir: str | None = None) -> None:
+        """One line at INFO on rank 0 (``self.info``, as the topology) per offloaded model or
+        optimizer: ``what`` is offloaded and where; for NVMe, the swap directory (this
+        rank's own subdirectory of ``nvme_path``, removed at the end of the run) and the
+        free space on its drive."""
+        offload = getattr(self.config, field)
+        if offload.device == "nvme" and swap_dir is not None:
+            free = shutil.disk_usage(swap_dir).free
+            where = (f"NVMe swap files in {swap_dir} (one such subdirectory of nvme_path={offload.nvme_path!r} per "
+                     f"rank; {free / 2**30:.1f} GiB free on that drive)")
+        else:
+            where = "host memory (CPU)"
+        self.info(f"zeropp: {field}={offload.device!r}: {what} -> {where}")
 
     def module_to_device(self, module: nn.Module) -> None:
         """Move to the device, except parameter shards that offload keeps on the host."""
@@ -394,11 +414,13 @@ class ZeroEngine:
         stores = bool(self.param_stores)
 
         def offload(opt: Optimizer) -> OffloadOptimizer:
-            return OffloadOptimizer(
+            wrapped = OffloadOptimizer(
                 opt, self.config.offload_optimizer, rank=self.rank,
                 on_stepped=self._release_params if stores else None,
                 on_prefetch=self._prefetch_params if stores else None,
             )
+            self.log_offload("offload_optimizer", f"{type(opt).__name__} state (stepped on the host)", wrapped.swap_dir)
+            return wrapped
 
         if isinstance(optimizer, ShardedOptimizer):  # stage 1: offload what the shard view steps
             if not isinstance(optimizer.optimizer, OffloadOptimizer):

@@ -23,11 +23,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.utils import _apply_to_tensors
+from torch.utils._pytree import tree_leaves
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from zeropp_strategy.comm.collectives import LedgerAllGather, LedgerReduceScatter
@@ -61,8 +64,8 @@ class ShardedRoot(nn.Module):
 
     def forward(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
         if self._inner_forward is not None:
-            return self._inner_forward(*args, **kwargs)
-        return self.module(*args, **kwargs)
+            return without_views(self._inner_forward(*args, **kwargs))
+        return without_views(self.module(*args, **kwargs))
 
     @contextmanager
     def routed_forward(self) -> Iterator[None]:
@@ -88,6 +91,34 @@ class ShardedRoot(nn.Module):
             else:
                 del module.__dict__["forward"]
             self._inner_forward = None
+
+
+def without_views(output: Any) -> Any:
+    """``output`` with every grad-requiring tensor that is a view replaced by a copy.
+
+    [Note: root outputs are not views]
+    FSDP2 registers its pre-backward hook (``register_hook``) on each grad-requiring
+    output of an FSDP module's forward. On a view that hook hangs on the view's own
+    autograd node, which an in-place op on the view (``values *= mask``) takes out of the
+    graph: the hook never fires, and when no other hooked output of the same forward
+    reaches the loss, FSDP2 never queues its end-of-backward callback, so the root's
+    gradients are never reduce-scattered and the optimizer steps on stale or missing
+    gradients (tests/test_rlhf_ppo.py measures it against DDP). The root's forward is
+    whatever the LightningModule returns (``ScalarHeadModel`` values, a slice of logits),
+    so the root copies views: the copy's node stays in the graph under in-place ops.
+    Only views are copied (their size, not their base's); an output without views is
+    returned as it is (the same object)."""
+    if not torch.is_grad_enabled():
+        return output
+
+    def is_view(t: Any) -> bool:
+        return isinstance(t, torch.Tensor) and t.requires_grad and t._base is not None
+
+    if isinstance(output, torch.Tensor):
+        return output.clone() if is_view(output) else output
+    if not any(is_view(t) for t in tree_leaves(output)):
+        return output
+    return _apply_to_tensors(lambda t: t.clone() if is_view(t) else t, output)
 
 
 def is_sharded(module: nn.Module) -> bool:

@@ -45,13 +45,25 @@ def _config(spec: dict[str, Any]) -> Any:
     return AutoConfig.for_model(model_type, **spec)
 
 
+def _dtype_kwargs(dtype: torch.dtype | None) -> dict[str, torch.dtype]:
+    """The weights' dtype for ``from_config``/``from_pretrained``: nothing when not asked
+    for (the model's own), else ``dtype=`` (transformers >= 4.56; ``torch_dtype=`` before,
+    now deprecated)."""
+    if dtype is None:
+        return {}
+    import transformers
+    from packaging.version import Version
+
+    return {"dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype": dtype}
+
+
 def build_causal_lm(model: str | dict[str, Any], *, dtype: torch.dtype | None = None) -> nn.Module:
     """``AutoModelForCausalLM`` from a folder/hub name, or from scratch from a config dict."""
     from transformers import AutoModelForCausalLM
 
     if isinstance(model, dict):
-        return AutoModelForCausalLM.from_config(_config(model), torch_dtype=dtype)
-    return AutoModelForCausalLM.from_pretrained(model, torch_dtype=dtype)
+        return AutoModelForCausalLM.from_config(_config(model), **_dtype_kwargs(dtype))
+    return AutoModelForCausalLM.from_pretrained(model, **_dtype_kwargs(dtype))
 
 
 def apply_lora(model: nn.Module, lora: dict[str, Any] | None) -> nn.Module:
@@ -139,7 +151,10 @@ class ScalarHeadModel(nn.Module):
             position_ids = positions(attention_mask)
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
                                position_ids=position_ids).last_hidden_state
-        return self.head(hidden).squeeze(-1).float()
+        # copy=True: values of their own, not a view of the head's [batch, time, 1] output,
+        # even in fp32 (see [Note: root outputs are not views] in engine/fsdp.py: under
+        # Fabric or Accelerate this model can be the FSDP root).
+        return self.head(hidden).squeeze(-1).to(torch.float32, copy=True)
 
     def score(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor | None = None) -> Tensor:
         values = self(input_ids, attention_mask, position_ids)

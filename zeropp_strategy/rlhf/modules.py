@@ -74,7 +74,9 @@ class _Base(LightningModule):
 
 
 class _PairModule(_Base):
-    """Modules trained on preference pairs: chosen rows then rejected rows in one batch."""
+    """Modules trained on preference pairs: chosen rows then rejected rows in one batch.
+    Their ``self.log`` calls count pairs (``batch_size=``): Lightning would guess from the
+    batch's tensors, which hold two rows per pair and one index per pair."""
 
     def _loader(self, records: list[dict[str, str]], shuffle: bool) -> DataLoader:
         indexed = [{**r, "__index__": i} for i, r in enumerate(records)]  # for per-record caches
@@ -151,7 +153,9 @@ class SFTModule(_Base):
 
     def configure_model(self) -> None:
         if self.model is None:
-            self.model = apply_lora(build_causal_lm(self.model_spec), self.lora)
+            # train(): from_pretrained returns a model in eval mode, and Lightning keeps the
+            # mode it finds (it would train with dropout off and warn about eval modules).
+            self.model = apply_lora(build_causal_lm(self.model_spec), self.lora).train()
 
     def _loader(self, records: list[dict[str, str]], shuffle: bool) -> DataLoader:
         collate = SFTCollator(self.tokenizer, max_length=self.max_length, train_on_prompt=self.train_on_prompt,
@@ -168,7 +172,7 @@ class SFTModule(_Base):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         assert self.model is not None
         loss = self.model(**batch).loss
-        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        self.log("train_loss", loss, prog_bar=True, sync_dist=True, batch_size=len(batch["input_ids"]))
         return loss
 
     def export_hf(self, directory: str) -> None:
@@ -179,8 +183,9 @@ class SFTModule(_Base):
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         assert self.model is not None
         loss = self.model(**batch).loss
-        self.log("val_loss", loss, sync_dist=True)
-        self.log("val_ppl", math.exp(min(loss.item(), 50.0)), sync_dist=True)
+        rows = len(batch["input_ids"])
+        self.log("val_loss", loss, sync_dist=True, batch_size=rows)
+        self.log("val_ppl", math.exp(min(loss.item(), 50.0)), sync_dist=True, batch_size=rows)
 
 
 class RewardModule(_PairModule):
@@ -233,7 +238,7 @@ class RewardModule(_PairModule):
             model = ScalarHeadModel(spec if isinstance(spec, dict) else build_causal_lm(spec).get_decoder())
             if self.lora:  # adapters on the body; the head is new and trains in full
                 model.backbone = apply_lora(model.backbone, self.lora)
-            self.model = model
+            self.model = model.train()  # from_pretrained's eval mode: see SFTModule.configure_model
 
     def _scores(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.model is not None
@@ -246,10 +251,12 @@ class RewardModule(_PairModule):
         loss = ops.pairwise_reward_loss(chosen, rejected, margin=self.margin)
         if self.center_coef > 0:
             loss = loss + self.center_coef * (chosen + rejected).pow(2).mean()
-        self.log(f"{stage}_loss", loss, sync_dist=True, prog_bar=stage == "train")
-        self.log(f"{stage}_accuracy", (chosen > rejected).float().mean(), sync_dist=True, prog_bar=True)
-        self.log(f"{stage}_chosen", chosen.mean(), sync_dist=True)
-        self.log(f"{stage}_rejected", rejected.mean(), sync_dist=True)
+        pairs = len(chosen)
+        self.log(f"{stage}_loss", loss, sync_dist=True, prog_bar=stage == "train", batch_size=pairs)
+        self.log(f"{stage}_accuracy", (chosen > rejected).float().mean(), sync_dist=True, prog_bar=True,
+                 batch_size=pairs)
+        self.log(f"{stage}_chosen", chosen.mean(), sync_dist=True, batch_size=pairs)
+        self.log(f"{stage}_rejected", rejected.mean(), sync_dist=True, batch_size=pairs)
         if stage == "val":
             self._val_scores.append(torch.cat([chosen, rejected]).detach().float())
         return loss
@@ -339,7 +346,7 @@ class DPOModule(_PairModule):
             return
         import copy
 
-        self.policy = build_causal_lm(self.model_spec)
+        self.policy = build_causal_lm(self.model_spec).train()  # see SFTModule.configure_model
         if isinstance(self.model_spec, dict):
             self.reference = copy.deepcopy(self.policy)
         else:
@@ -387,8 +394,10 @@ class DPOModule(_PairModule):
         half = policy.shape[0] // 2
         loss, chosen, rejected = ops.dpo_loss(policy[:half], policy[half:], reference[:half], reference[half:],
                                               beta=self.beta)
-        self.log(f"{stage}_loss", loss, sync_dist=True, prog_bar=stage == "train")
-        self.log(f"{stage}_accuracy", (chosen > rejected).float().mean(), sync_dist=True, prog_bar=True)
-        self.log(f"{stage}_margin", (chosen - rejected).mean(), sync_dist=True)
+        pairs = half
+        self.log(f"{stage}_loss", loss, sync_dist=True, prog_bar=stage == "train", batch_size=pairs)
+        self.log(f"{stage}_accuracy", (chosen > rejected).float().mean(), sync_dist=True, prog_bar=True,
+                 batch_size=pairs)
+        self.log(f"{stage}_margin", (chosen - rejected).mean(), sync_dist=True, batch_size=pairs)
         return loss
 

@@ -401,8 +401,9 @@ class PPOModule(LightningModule):
         checker = self.task_checker(hp.data)
         if checker is not None:
             logs["task_accuracy"] = self._accuracy(checker, batch["prompts"], exp)
-        self.log_dict({f"train_{k}": v for k, v in logs.items()}, sync_dist=True, prog_bar=False)
-        self.log("train_reward_mean", logs["reward"], sync_dist=True, prog_bar=True)
+        rollouts = n  # prompts of this rollout (this rank's)
+        self.log_dict({f"train_{k}": v for k, v in logs.items()}, sync_dist=True, prog_bar=False, batch_size=rollouts)
+        self.log("train_reward_mean", logs["reward"], sync_dist=True, prog_bar=True, batch_size=rollouts)
 
     def _ptx_iter(self) -> Any:
         if self._ptx is None:
@@ -439,13 +440,14 @@ class PPOModule(LightningModule):
         # The same draws before and after training: the generator depends on the batch only.
         exp = self.rollout(batch, self._generator(10**6 + batch_idx))
         mask = exp["mask"].float()
-        self.log("val_reward", exp["raw_score"].mean(), sync_dist=True, prog_bar=True)
-        self.log("val_response_length", mask.sum(-1).mean(), sync_dist=True)
-        self.log("val_eos_fraction", exp["has_eos"].float().mean(), sync_dist=True)
+        prompts = len(mask)
+        self.log("val_reward", exp["raw_score"].mean(), sync_dist=True, prog_bar=True, batch_size=prompts)
+        self.log("val_response_length", mask.sum(-1).mean(), sync_dist=True, batch_size=prompts)
+        self.log("val_eos_fraction", exp["has_eos"].float().mean(), sync_dist=True, batch_size=prompts)
         checker = self.task_checker(self.hparams.eval_data)
         if checker is not None:
             self.log("val_task_accuracy", self._accuracy(checker, batch["prompts"], exp), sync_dist=True,
-                     prog_bar=True)
+                     prog_bar=True, batch_size=prompts)
 
     # -- optimizers and export --------------------------------------------------------------
 
