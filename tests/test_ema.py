@@ -62,7 +62,7 @@ def _worker(rank: int, world: int, tmp: str, fmt: str) -> dict:
             out = c.consolidate(path, f"{tmp}/ema.ckpt", ema=True)
             state = torch.load(out, weights_only=True)["state_dict"]
         else:
-            src = c._open(Path(path), weights_only=True)
+            src = c.open_checkpoint(Path(path), weights_only=True)
             src.use_ema()
             state = {k: src.read_model(k) for k in src.model_keys()}
         exported = max((state[k] - at_save[k]).abs().max().item() for k in at_save)

@@ -57,6 +57,7 @@ from zeropp_strategy.engine.fsdp import ShardedRoot, fsdp_modules, materialize
 from zeropp_strategy.engine.wrap import apply_activation_checkpointing, select_blocks
 from zeropp_strategy.engine.memory import MemoryStats, memory_stats
 from zeropp_strategy.engine.uneven import EvenBatches
+from zeropp_strategy.checkpoint.integrity import rank_zero_writes
 from zeropp_strategy.checkpoint.atomic import (
     META_FILE,
     atomic_torch_save,
@@ -563,11 +564,11 @@ class ZeroPPStrategy(ProcessMixin, ParallelStrategy):
         path = Path(self.broadcast(str(filepath)))
         nonce = self.broadcast(new_nonce())
         if self.state_dict_type == "full" or not isinstance(checkpoint.get("state_dict"), dict):
-            if self.is_global_zero:
-                # The zeropp block lets `zeropp consolidate --hf` export full files too;
-                # strategy="ddp" ignores unknown top-level keys.
-                info = {**self._checkpoint_info(), "format": "zeropp-full", "tokenizer_dir": None}
-                atomic_torch_save({**checkpoint, "zeropp": info}, path)
+            # The zeropp block lets `zeropp consolidate --hf` export full files too;
+            # strategy="ddp" ignores unknown top-level keys.
+            info = {**self._checkpoint_info(), "format": "zeropp-full", "tokenizer_dir": None}
+            # A failed write (a full disk) raises on every rank, none waits for rank 0.
+            rank_zero_writes(f"writing {path}", lambda: atomic_torch_save({**checkpoint, "zeropp": info}, path))
             self.barrier()
             return
         checkpoint = dict(checkpoint)
@@ -589,15 +590,17 @@ class ZeroPPStrategy(ProcessMixin, ParallelStrategy):
         checkpoint["zeropp"] = self._checkpoint_info()
         with staged_directory(path, nonce, is_writer=self.is_global_zero) as tmp:
             self.barrier()  # the directory exists before anyone writes
-            save_tensors(tensors, tmp)
-            if self.is_global_zero:
+            save_tensors(tensors, tmp)  # raises on every rank if any rank's write failed
+            tokenizer = getattr(self.lightning_module, "tokenizer", None)
+
+            def finish() -> None:  # rank 0, once every shard is on disk
                 torch.save(checkpoint, tmp / META_FILE)
-                tokenizer = getattr(self.lightning_module, "tokenizer", None)
                 if callable(getattr(tokenizer, "save_pretrained", None)):
                     tokenizer.save_pretrained(str(tmp / "tokenizer"))
-            self.barrier()  # every shard is on disk
-            if self.is_global_zero:
                 publish(tmp, path, nonce)
+
+            self.barrier()  # every shard is on disk
+            rank_zero_writes(f"writing {tmp / META_FILE}", finish)
         self.barrier()
 
     def _checkpoint_info(self) -> dict[str, Any]:

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from zeropp_strategy.checkpoint import integrity
+
 META_FILE = "zeropp_meta.pt"
 TMP_TAG = ".tmp-"
 OLD_TAG = ".old-"
@@ -75,23 +77,40 @@ def remove_path(path: Path) -> None:
     _remove(Path(path))
 
 
-def safe_load(path: Path, weights_only: bool | None = None) -> Any:
-    """``torch.load`` with ``weights_only=True`` unless the caller opted out explicitly."""
+def safe_load(path: Path, weights_only: bool | None = None, *, mmap: bool = False,
+              collective: bool | None = None) -> Any:
+    """``torch.load`` with ``weights_only=True`` unless the caller opted out explicitly.
+
+    Loading a sharded checkpoint's ``META_FILE`` first verifies the directory's files
+    against their checksums ([Note: checkpoint checksums]). ``collective`` (default: a
+    process group is up) means every rank loads it, and they share the reading.
+    """
     import pickle
 
+    path = Path(path)
+    if path.name == META_FILE and path.parent.is_dir():
+        if collective is None:
+            import torch.distributed as dist
+
+            collective = dist.is_available() and dist.is_initialized()
+        integrity.verify(path.parent, collective=collective)
     weights_only = True if weights_only is None else weights_only
     try:
-        return torch.load(path, map_location="cpu", weights_only=weights_only)
+        return torch.load(path, map_location="cpu", weights_only=weights_only, mmap=mmap)
     except pickle.UnpicklingError as err:
         # torch's message is long; keep the line that names the refused global.
         lines = [ln.strip() for ln in str(err).splitlines() if "GLOBAL" in ln or "global" in ln.lower()]
-        named = lines[0] if lines else str(err).splitlines()[0]
+        if not weights_only or not lines:  # not a refused type: the bytes are wrong
+            raise integrity.damaged_file(path, err) from err
         raise ValueError(
-            f"checkpoint {path} holds objects that weights_only loading refuses ({named}). Fix, only for "
-            "files you trust: allow that type with torch.serialization.add_safe_globals([TheType]) before "
-            "fit/validate (Lightning does not pass Trainer.fit(weights_only=...) to strategies that "
-            "restore after setup), or `zeropp consolidate --unsafe-load` to rewrite the file once."
+            f"checkpoint {path} could not be loaded with torch.load(weights_only=True): it holds objects that "
+            f"weights_only loading refuses ({lines[0]}). Fix, only for files you trust: allow that type with "
+            "torch.serialization.add_safe_globals([TheType]) before fit/validate (Lightning does not pass "
+            "Trainer.fit(weights_only=...) to strategies that restore after setup), or rewrite the file once "
+            "with `zeropp consolidate --unsafe-load` (consolidate(..., weights_only=False))."
         ) from err
+    except (RuntimeError, EOFError) as err:  # e.g. "PytorchStreamReader failed reading zip archive"
+        raise integrity.damaged_file(path, err) from err
 
 
 def _remove(path: Path) -> None:
@@ -104,6 +123,7 @@ def _remove(path: Path) -> None:
 def publish(tmp: Path, path: Path, nonce: str) -> None:
     """Rename the complete ``tmp`` onto ``path`` (see [Note: atomic saves]). Rank 0 only."""
     if tmp.is_dir():
+        integrity.add(tmp, [META_FILE])  # written last: see [Note: checkpoint checksums]
         _fsync_tree(tmp)
         # Staged privately (0700); published with the permissions any new directory gets.
         umask = os.umask(0)
@@ -125,10 +145,14 @@ def atomic_torch_save(obj: Any, path: Path) -> None:
     remove_stale(path)
     nonce = new_nonce()
     tmp = tmp_sibling(path, nonce)
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except Exception as err:
+        _remove(tmp)
+        raise integrity.write_failed(path, err) from err
     publish(tmp, path, nonce)
 
 

@@ -1,6 +1,8 @@
-"""Turn a zeropp sharded checkpoint into one Lightning file, or into a Hugging Face folder.
+"""Turn a zeropp sharded checkpoint into one full file, or into a Hugging Face folder.
 
     zeropp consolidate runs/ckpts/step=100 full.ckpt              # what strategy="ddp" would have saved
+    zeropp consolidate fabric-ckpt full.ckpt                      # Fabric: what fabric.save under DDP saves
+    zeropp consolidate ckpts/checkpoint_3 full.pt                 # Accelerate: its zeropp_state, as one file
     zeropp consolidate runs/ckpts/step=100 hf-model --hf --dtype bf16 --max-shard-size 5GB
     zeropp consolidate full.ckpt hf-model --hf                    # a full (one-file) checkpoint works too
 
@@ -12,7 +14,10 @@ One CPU process, no process group, no GPU: the sharded checkpoint is read with
 (see [Note: one tensor at a time]). The output is written to a ``OUT.tmp-<pid>`` sibling
 and renamed into place when complete, so an interrupted run never leaves a half-written OUT.
 
-The sharded format (v1) is a directory:
+Which layouts are read (Lightning, Fabric, Accelerate; sharded or full) and how they are
+told apart: checkpoint/layout.py. A sharded directory's checksums are verified before
+anything is read, and nothing is written unless every tensor of the checkpoint made it
+into OUT (checkpoint/integrity.py). The Lightning sharded format (v1) is a directory:
     .metadata, __<rank>_0.distcp  DCP files, tensors only, keys ``model.<fqn>`` and
                                   ``optim.<i>.<fqn>.<state_key>`` (fqn: LightningModule
                                   ``state_dict()`` key), global shapes
@@ -28,31 +33,23 @@ Tests: python -m pytest tests/test_consolidate.py -q
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import logging
 import os
-import pickle
 import re
 import shutil
 import sys
-import warnings
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from zeropp_strategy.checkpoint.atomic import META_FILE, OLD_TAG, TMP_TAG
+from zeropp_strategy.checkpoint.integrity import check_written
+from zeropp_strategy.checkpoint.layout import LIGHTNING, FullCheckpoint, ShardedCheckpoint, open_checkpoint
 from zeropp_strategy.checkpoint.sharded import CALLBACK_TENSORS_ID
-from zeropp_strategy.checkpoint.sharded import FORMAT as SHARDED_FORMAT
 from zeropp_strategy.checkpoint.sharded import TENSOR as TENSOR_MARK
-from zeropp_strategy.checkpoint.sharded import VERSION as FORMAT_VERSION
-from zeropp_strategy.checkpoint.sharded import canonical
+from zeropp_strategy.errors import USAGE_EXIT, ArgumentParser, UsageError, run
 
 __all__ = ["consolidate", "parse_size", "main"]
 
@@ -78,205 +75,6 @@ _DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "hal
 # those are copied).
 
 
-# -- reading ------------------------------------------------------------------------------
-
-
-def _torch_load(path: Path, *, weights_only: bool, mmap: bool = False) -> Any:
-    try:
-        return torch.load(path, map_location="cpu", weights_only=weights_only, mmap=mmap)
-    except pickle.UnpicklingError as err:
-        if not weights_only:
-            raise
-        raise ValueError(
-            f"{path} could not be loaded with torch.load(weights_only=True): it holds Python objects other "
-            "than tensors and plain containers (e.g. a custom hyper-parameter class). Fix: if you trust the "
-            "file, allow them explicitly with `--unsafe-load` (consolidate(..., weights_only=False)); never "
-            f"for a file from an untrusted source. torch said: {str(err).splitlines()[0]}"
-        ) from err
-
-
-@contextmanager
-def _quiet_dcp() -> Iterator[None]:
-    # Single-process DCP is what we want here; its warning says it assumed exactly that.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        yield
-
-
-class _MetadataOnceReader(FileSystemReader):
-    """A FileSystemReader that unpickles ``.metadata`` once, not once per ``dcp.load``.
-
-    Unpickling costs time in proportion to the number of keys, so with one load per tensor it
-    made the whole read quadratic: 57 ms per tensor at 1,200 keys on a 2-core CPU, 1.6 ms cached.
-    """
-
-    _metadata: Metadata | None = None
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if args or kwargs:  # a rank-local metadata request: not cached
-            return super().read_metadata(*args, **kwargs)
-        if self._metadata is None:
-            self._metadata = super().read_metadata()
-        return self._metadata
-
-
-class _ShardedCheckpoint:
-    """A zeropp sharded checkpoint directory; tensors are read on demand, one at a time."""
-
-    def __init__(self, path: Path, meta: dict[str, Any]) -> None:
-        self.path = path
-        self.meta = meta
-        self.zeropp: dict[str, Any] = meta["zeropp"]
-        self._reader = _MetadataOnceReader(str(path))
-        metadata = self._reader.read_metadata()
-        self._entries = metadata.state_dict_metadata
-        # state_dict_metadata is ordered by which rank wrote what (a replicated tensor goes to one
-        # rank only); planner_data, when the writer flattened, lists rank 0's keys in its
-        # state_dict order: the order strategy="ddp" saves in.
-        ordered = [k for k in (metadata.planner_data or {}) if isinstance(k, str) and k in self._entries]
-        self._order = list(dict.fromkeys([*ordered, *self._entries]))
-        tok = self.zeropp.get("tokenizer_dir")
-        self.tokenizer_dir = path / tok if tok else None
-        self.ema_keys: dict[str, str] = {}  # model fqn -> DCP key of its average (use_ema)
-
-    def model_keys(self) -> list[str]:
-        return [key[len("model.") :] for key in self._order if key.startswith("model.")]
-
-    def spec(self, key: str) -> tuple[torch.Size, torch.dtype]:
-        md = self._entries.get(key)
-        if md is None:
-            raise ValueError(
-                f"{self.path} is missing the tensor {key!r} that {META_FILE} lists. The checkpoint "
-                "is damaged or was written by a different run. Fix: use another checkpoint."
-            )
-        if not isinstance(md, TensorStorageMetadata):
-            raise ValueError(
-                f"{self.path}: DCP entry {key!r} is not a tensor; zeropp format v{FORMAT_VERSION} stores "
-                "only tensors there. Fix: use a checkpoint written by zeropp-strategy."
-            )
-        return md.size, md.properties.dtype
-
-    def model_spec(self, fqn: str) -> tuple[torch.Size, torch.dtype]:
-        return self.spec("model." + fqn)
-
-    def read(self, key: str) -> torch.Tensor:
-        size, dtype = self.spec(key)
-        out = torch.empty(size, dtype=dtype)
-        with _quiet_dcp():
-            dcp.load({key: out}, storage_reader=self._reader, no_dist=True)
-        return out
-
-    def read_model(self, fqn: str) -> torch.Tensor:
-        if fqn in self.ema_keys:  # consolidate(ema=True): the averaged weights instead
-            return self.read(self.ema_keys[fqn]).to(self.model_spec(fqn)[1])
-        return self.read("model." + fqn)
-
-    def use_ema(self) -> int:
-        """Read ShardedEMA's averages in place of the trained weights; returns how many."""
-        state = _ema_state(self.meta.get("callbacks"), self.path)
-        ident = state.get(CALLBACK_TENSORS_ID)
-        if ident is None:
-            raise ValueError(f"{self.path}: the ShardedEMA state holds no sharded tensors. Fix: consolidate the "
-                             "checkpoint the run wrote, unchanged.")
-        prefix = f"callbacks.{ident}."
-        self.ema_keys = {canonical(k[len(prefix):]): k for k in self._entries if k.startswith(prefix)}
-        return len(self.ema_keys)
-
-
-class _FullCheckpoint:
-    """An ordinary one-file Lightning checkpoint (memory-mapped: tensors are read on use)."""
-
-    def __init__(self, path: Path, checkpoint: dict[str, Any]) -> None:
-        self.path = path
-        self.zeropp: dict[str, Any] = checkpoint.get("zeropp") or {}
-        self._state: dict[str, Any] = checkpoint["state_dict"]
-        self._callbacks = checkpoint.get("callbacks")
-        self.tokenizer_dir = None
-        self.ema: dict[str, torch.Tensor] = {}
-
-    def use_ema(self) -> int:
-        """Read ShardedEMA's averages in place of the trained weights; returns how many."""
-        state = _ema_state(self._callbacks, self.path)
-        self.ema = {canonical(k): v for k, v in (state.get("ema") or {}).items()}
-        return len(self.ema)
-
-    def model_keys(self) -> list[str]:
-        return [k for k, v in self._state.items() if isinstance(v, torch.Tensor)]
-
-    def model_spec(self, fqn: str) -> tuple[torch.Size, torch.dtype]:
-        t = self._state[fqn]
-        return t.shape, t.dtype
-
-    def read_model(self, fqn: str) -> torch.Tensor:
-        if fqn in self.ema:
-            return self.ema[fqn].to(self._state[fqn].dtype).clone(memory_format=torch.contiguous_format)
-        # A copy: tied weights share storage in a torch.save'd file, and safetensors refuses that.
-        return self._state[fqn].clone(memory_format=torch.contiguous_format)
-
-
-def _ema_state(callbacks: Any, path: Path) -> Mapping[str, Any]:
-    """The ShardedEMA entry of a checkpoint's callback states."""
-    found = [v for k, v in (callbacks or {}).items() if str(k).startswith("ShardedEMA") and isinstance(v, Mapping)]
-    if not found:
-        raise ValueError(f"{path} holds no ShardedEMA state, so there is no average to export. Fix: train with "
-                         "Trainer(callbacks=[zeropp_strategy.callbacks.ShardedEMA(...)]), or drop --ema.")
-    if len(found) > 1:
-        raise ValueError(f"{path} holds {len(found)} ShardedEMA states. Fix: use one ShardedEMA per run.")
-    return found[0]
-
-
-def _not_sharded_error(path: Path) -> ValueError:
-    siblings = sorted(p.name for p in path.parent.glob(f"{glob.escape(path.name)}{TMP_TAG}*"))
-    lines = [f"{path} is not a complete zeropp sharded checkpoint: it has no {META_FILE} (written last by a save)."]
-    if (path / ".metadata").is_file():
-        lines.append(
-            "It holds torch.distributed.checkpoint files (.metadata), so it may be another tool's DCP checkpoint "
-            "(e.g. Lightning's FSDPStrategy or ModelParallelStrategy), which has its own converter."
-        )
-    lines.append(
-        "An interrupted zeropp save never leaves a directory like this: it leaves a `*.tmp-*` sibling "
-        "instead" + (f" (found: {', '.join(siblings)})." if siblings else ".")
-    )
-    lines.append("Fix: pass the directory of a checkpoint whose save completed.")
-    return ValueError(" ".join(lines))
-
-
-def _open(path: Path, *, weights_only: bool) -> _ShardedCheckpoint | _FullCheckpoint:
-    if not path.exists():
-        # A save over an existing checkpoint moves the old one aside for an instant (atomic.py).
-        old = sorted(path.parent.glob(f"{glob.escape(path.name)}{OLD_TAG}*")) if path.parent.is_dir() else []
-        where = f" A save over it was interrupted: the previous checkpoint is {old[-1]}." if old else ""
-        raise FileNotFoundError(f"checkpoint {path} does not exist.{where} Fix: pass an existing directory or file.")
-    if path.is_dir():
-        meta_path = path / META_FILE
-        if not meta_path.is_file():
-            raise _not_sharded_error(path)
-        meta = _torch_load(meta_path, weights_only=weights_only)
-        info = meta.get("zeropp") if isinstance(meta, dict) else None
-        if not isinstance(info, dict) or info.get("format") != SHARDED_FORMAT:
-            raise ValueError(
-                f"{meta_path} is not zeropp checkpoint metadata (no 'zeropp' entry with format "
-                f"{SHARDED_FORMAT!r}). Fix: pass a checkpoint directory written by zeropp-strategy."
-            )
-        version = info.get("version")
-        if not isinstance(version, int) or version > FORMAT_VERSION:
-            raise ValueError(
-                f"{path} is zeropp sharded format version {version!r}; this zeropp-strategy reads versions up "
-                f"to {FORMAT_VERSION}. Fix: upgrade zeropp-strategy to the version that wrote the checkpoint."
-            )
-        return _ShardedCheckpoint(path, meta)
-    if path.name == META_FILE:
-        raise ValueError(f"{path} is the metadata of a sharded checkpoint. Fix: pass its directory, {path.parent}.")
-    # mmap: tensors stay on disk until read, so a full checkpoint costs no more memory than a sharded one
-    checkpoint = _torch_load(path, weights_only=weights_only, mmap=True)
-    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), Mapping):
-        raise ValueError(
-            f"{path} is neither a zeropp sharded checkpoint directory nor a Lightning checkpoint file "
-            "(no 'state_dict'). Fix: pass a checkpoint written by a Lightning Trainer."
-        )
-    return _FullCheckpoint(path, checkpoint)
-
-
 # -- (a) one Lightning checkpoint file ------------------------------------------------------
 
 
@@ -288,7 +86,7 @@ def _is_mark(value: Any) -> bool:
     return isinstance(value, str) and value == TENSOR_MARK
 
 
-def _optimizer_state(src: _ShardedCheckpoint, i: int, entry: Mapping[str, Any]) -> dict[str, Any]:
+def _optimizer_state(src: ShardedCheckpoint, i: int | str, entry: Mapping[str, Any]) -> dict[str, Any]:
     """fqn-keyed optimizer entry -> ``Optimizer.state_dict()`` form (keys are param indices).
 
     A parameter's index is its position in the param groups' "params" lists, concatenated in
@@ -314,13 +112,15 @@ def _optimizer_state(src: _ShardedCheckpoint, i: int, entry: Mapping[str, Any]) 
     return {"state": state, "param_groups": groups}
 
 
-def _write_lightning(src: _ShardedCheckpoint, out: Path, dtype: torch.dtype | None) -> None:
+def _write_lightning(src: ShardedCheckpoint, out: Path, dtype: torch.dtype | None) -> None:
     # Model first, then each optimizer: one tensor read at a time, see [Note: one tensor at a time].
     state_dict = {fqn: _cast(src.read_model(fqn), dtype) for fqn in src.model_keys()}
     checkpoint: dict[str, Any] = {}
     for key, value in src.meta.items():
         if key == "optimizer_states":
             value = [_optimizer_state(src, i, entry) for i, entry in enumerate(value)]
+        elif key == "callbacks" and isinstance(value, Mapping):
+            value = {k: _callback_state(src, v) for k, v in value.items()}
         elif key == "zeropp":
             # Kept so that `--hf` works on this file too; the tokenizer folder does not come along.
             value = {**value, "format": CONSOLIDATED_FORMAT, "tokenizer_dir": None}
@@ -328,6 +128,39 @@ def _write_lightning(src: _ShardedCheckpoint, out: Path, dtype: torch.dtype | No
         if key == "pytorch-lightning_version":
             checkpoint["state_dict"] = state_dict  # where Lightning puts it
     checkpoint.setdefault("state_dict", state_dict)
+    _save_checked(src, checkpoint, out, len(state_dict))
+
+
+def _callback_state(src: ShardedCheckpoint, state: Any) -> Any:
+    """A callback state whose tensors were saved with the model (ShardedEMA) gets them back,
+    whole, under "ema": the form a full-format save writes."""
+    if not isinstance(state, Mapping) or CALLBACK_TENSORS_ID not in state:
+        return state
+    prefix = f"callbacks.{state[CALLBACK_TENSORS_ID]}."
+    tensors = {k[len(prefix) :]: src.read(k) for k in src.entries if k.startswith(prefix)}
+    return {**{k: v for k, v in state.items() if k != CALLBACK_TENSORS_ID}, "ema": tensors}
+
+
+def _write_objects(src: ShardedCheckpoint, out: Path, dtype: torch.dtype | None) -> None:
+    """Fabric / Accelerate: the full layout those front ends save (see checkpoint/objects.py)."""
+    checkpoint: dict[str, Any] = dict(src.meta.get("state") or {})
+    count = 0
+    for module in src.modules:
+        prefix = f"{module}."
+        checkpoint[module] = {k[len(prefix) :]: _cast(src.read_model(k), dtype) for k in src.model_keys(module)}
+        count += len(checkpoint[module])
+    owners = {}
+    for key, entry in (src.meta.get("optimizers") or {}).items():
+        checkpoint[key] = _optimizer_state(src, key, entry)
+        owners[key] = entry["module"]
+    checkpoint["zeropp"] = {**src.zeropp, "format": CONSOLIDATED_FORMAT, "modules": src.modules, "optimizers": owners}
+    _save_checked(src, checkpoint, out, count)
+
+
+def _save_checked(src: ShardedCheckpoint, checkpoint: dict[str, Any], out: Path, model_tensors: int) -> None:
+    """Write ``out`` only when it holds every tensor of the checkpoint, model weights first of all."""
+    check_written(out, f"model tensors (modules {src.modules})", model_tensors, len(src.model_keys()))
+    check_written(out, "tensors of the checkpoint", len(src.consumed & set(src.entries)), len(src.entries))
     torch.save(checkpoint, out)
 
 
@@ -438,7 +271,7 @@ def _set_config_dtype(config: Any, dtype: torch.dtype) -> None:
 
 
 def _export_hf_model(
-    src: _ShardedCheckpoint | _FullCheckpoint,
+    src: ShardedCheckpoint | FullCheckpoint,
     entry: Mapping[str, Any],
     folder: Path,
     dtype: torch.dtype | None,
@@ -472,9 +305,11 @@ def _export_hf_model(
         shutil.copytree(src.tokenizer_dir, folder, dirs_exist_ok=True)
 
     weight_map: dict[str, str] = {}
+    exported = 0
     for n, names in enumerate(shards, start=1):
         filename = "model.safetensors" if len(shards) == 1 else f"model-{n:05d}-of-{len(shards):05d}.safetensors"
         tensors = {name: _cast(src.read_model(keys[name]), dtype) for name in names}
+        exported += len(tensors)
         if convert is not None:
             try:
                 tensors = convert(tensors)
@@ -487,6 +322,7 @@ def _export_hf_model(
         weight_map.update(dict.fromkeys(tensors, filename))
         log.info("wrote %s (%d tensors)", folder / filename, len(tensors))
         del tensors  # at most one shard in memory
+    check_written(folder, f"weights of {entry.get('architecture')}", exported, len(keys))
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(b for _, b in sizes)}, "weight_map": dict(sorted(weight_map.items()))}
         text = json.dumps(index, indent=2) + "\n"
@@ -503,19 +339,20 @@ def _export_hf_model(
 
 
 def _write_hf(
-    src: _ShardedCheckpoint | _FullCheckpoint, out: Path, dtype: torch.dtype | None, max_shard_bytes: int
+    src: ShardedCheckpoint | FullCheckpoint, out: Path, dtype: torch.dtype | None, max_shard_bytes: int
 ) -> None:
     entries = src.zeropp.get("hf") or []
     if not entries:
-        if isinstance(src, _FullCheckpoint) and not src.zeropp:
+        if isinstance(src, FullCheckpoint) and not src.zeropp:
+            kind = "Lightning" if src.front_end == LIGHTNING else "Fabric/Accelerate"
             raise ValueError(
-                f"{src.path} is a Lightning checkpoint without zeropp metadata, so it does not say which "
+                f"{src.path} is a {kind} checkpoint without zeropp metadata, so it does not say which "
                 "Hugging Face model (architecture and config) it holds. Fix: export from the zeropp sharded "
                 "checkpoint directory, or from a file written by `zeropp consolidate`."
             )
         raise ValueError(
-            f"{src.path} has no Hugging Face model to export: the LightningModule held no transformers "
-            "PreTrainedModel. Fix: consolidate without --hf to get a Lightning checkpoint."
+            f"{src.path} has no Hugging Face model to export: the saved module(s) held no transformers "
+            "PreTrainedModel. Fix: consolidate without --hf to get one full checkpoint file."
         )
     # One model: OUT is its folder. Several (e.g. PPO's actor and critic): one subfolder each,
     # named after the attribute path.
@@ -561,10 +398,14 @@ def consolidate(
     """Consolidate the checkpoint ``ckpt`` into ``out``; returns ``out``.
 
     Args:
-        ckpt: a zeropp sharded checkpoint directory; with ``hf=True`` also a one-file
-            checkpoint that carries zeropp metadata (e.g. this function's own output).
-        out: with ``hf=False`` the Lightning checkpoint file to write: the dict
-            ``strategy="ddp"`` would have saved (``torch.load`` / ``load_from_checkpoint``).
+        ckpt: a zeropp sharded checkpoint directory of the Lightning strategy, the Fabric
+            strategy or the Accelerate accelerator (its ``save_state`` folder or the
+            ``zeropp_state`` in it); with ``hf=True`` also a one-file checkpoint that carries
+            zeropp metadata (e.g. this function's own output).
+        out: with ``hf=False`` the full checkpoint file to write: for Lightning the dict
+            ``strategy="ddp"`` would have saved (``torch.load`` / ``load_from_checkpoint``);
+            for Fabric and Accelerate their full format, ``{<module key>: state dict,
+            <optimizer key>: optimizer state dict, ...}``.
             With ``hf=True`` a folder for ``from_pretrained``: config.json, safetensors
             weights, generation_config.json, the tokenizer files when the checkpoint has them.
         hf: export the LightningModule's Hugging Face model(s) instead.
@@ -593,13 +434,13 @@ def consolidate(
             f"{out_path} already exists. Fix: choose another path, or pass --overwrite (overwrite=True)."
         )
 
-    src = _open(src_path, weights_only=weights_only)
+    src = open_checkpoint(src_path, weights_only=weights_only)
     if ema:
         src.use_ema()
-    if not hf and isinstance(src, _FullCheckpoint):
+    if not hf and isinstance(src, FullCheckpoint):
         raise ValueError(
-            f"{src_path} is already a full (one-file) checkpoint: there is nothing to consolidate. "
-            "Fix: load it as it is, or pass --hf (hf=True) to export its Hugging Face model."
+            f"{src_path} is already a full (one-file) {src.front_end} checkpoint: there is nothing to "
+            "consolidate. Fix: load it as it is, or pass --hf (hf=True) to export its Hugging Face model."
         )
 
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -609,8 +450,8 @@ def consolidate(
         if hf:
             _write_hf(src, tmp, cast, max_shard_bytes)
         else:
-            assert isinstance(src, _ShardedCheckpoint)
-            _write_lightning(src, tmp, cast)
+            assert isinstance(src, ShardedCheckpoint)
+            (_write_lightning if src.front_end == LIGHTNING else _write_objects)(src, tmp, cast)
         if out_path.exists() or out_path.is_symlink():
             _remove(out_path)
         os.replace(tmp, out_path)
@@ -635,15 +476,16 @@ def parse_size(text: str) -> int:
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog=prog,
         description=(
-            "Turn a zeropp sharded checkpoint directory into one Lightning checkpoint file "
-            "(what strategy='ddp' would have saved), or with --hf into a Hugging Face folder "
-            "for from_pretrained. Runs in one CPU process; reads one tensor at a time."
+            "Turn a zeropp sharded checkpoint directory (Lightning, Fabric, or Accelerate's save_state "
+            "folder) into one full checkpoint file (for Lightning what strategy='ddp' would have saved), "
+            "or with --hf into a Hugging Face folder for from_pretrained. Verifies the checkpoint's "
+            "checksums; runs in one CPU process; reads one tensor at a time. Errors exit with status 2."
         ),
     )
-    p.add_argument("ckpt", metavar="CKPT", help="sharded checkpoint directory (with --hf also a one-file checkpoint)")
+    p.add_argument("ckpt", metavar="CKPT", help="sharded checkpoint directory, or Accelerate save_state folder (with --hf also a one-file checkpoint)")
     p.add_argument("out", metavar="OUT", help="output file, or folder with --hf")
     p.add_argument("--hf", action="store_true", help="write a Hugging Face folder: config.json, safetensors, tokenizer")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
@@ -658,13 +500,17 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    """The ``zeropp consolidate`` command: any error is one line ``error: ...`` and status 2."""
+    return run(lambda args: _main(args, prog), sys.argv[1:] if argv is None else argv)
+
+
+def _main(argv: list[str], prog: str | None = None) -> int:
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     try:
         max_shard_bytes = parse_size(args.max_shard_size)
     except ValueError as err:
         parser.error(f"--max-shard-size: {err}")
-    name = parser.prog
     try:
         out = consolidate(
             args.ckpt,
@@ -676,9 +522,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             overwrite=args.overwrite,
             ema=args.ema,
         )
-    except (FileNotFoundError, FileExistsError, ValueError, RuntimeError) as err:
-        print(f"{name}: error: {err}", file=sys.stderr)
-        return 1
+    except UsageError:
+        raise
+    except (OSError, ValueError, RuntimeError, KeyError) as err:
+        # Every error consolidate raises names the file and the fix: one line, whatever its type.
+        message = " ".join(str(err).split())
+        print(f"error: {message}", file=sys.stderr)
+        return USAGE_EXIT
     files = [out] if out.is_file() else [p for p in out.rglob("*") if p.is_file()]
     total = sum(p.stat().st_size for p in files)
     print(f"wrote {out} ({len(files)} file{'s' * (len(files) != 1)}, {total / 2**20:.1f} MiB)")

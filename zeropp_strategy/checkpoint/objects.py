@@ -25,11 +25,13 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from zeropp_strategy.checkpoint.atomic import META_FILE, atomic_torch_save, new_nonce, publish, safe_load, staged_directory
+from zeropp_strategy.checkpoint.integrity import rank_zero_writes
 from zeropp_strategy.checkpoint.sharded import (
     FORMAT,
     VERSION,
     _inner,
     _param_names,
+    hf_models,
     load_model,
     load_optimizer,
     model_tensors,
@@ -44,6 +46,8 @@ from zeropp_strategy.engine.state import (
 )
 
 OPTIM = "optim"  # DCP key of optimizer tensors, as in the Lightning format
+ZEROPP = "zeropp"  # the layout marker: format, version, front end, modules, optimizers
+FULL_FORMAT = "zeropp-full"
 
 
 def owner_of(optimizer: Optimizer, modules: Mapping[str, Module], unwrap: Callable[[Module], Module]) -> str:
@@ -72,16 +76,22 @@ def save_objects(
     ledger: Any = None,
     info: Mapping[str, Any] | None = None,
 ) -> None:
-    """Collective: every rank calls it with the same keys."""
+    """Collective: every rank calls it with the same keys. A failed write (a full disk)
+    raises on every rank and publishes nothing."""
     nonce = broadcast(new_nonce())
+    zeropp = {"format": FULL_FORMAT if full else FORMAT, "version": VERSION, **(info or {}),
+              "hf": [{**entry, "prefix": f"{key}.{entry['prefix']}"}
+                     for key, module in modules.items() for entry in hf_models(unwrap(module))]}
     if full:
         out: dict[str, Any] = {}
         for key, module in modules.items():  # collectives: every rank, same order
             out[key] = full_model_state(unwrap(module), keep=rank_zero, ledger=ledger)
         for key, opt in optimizers.items():
             out[key] = full_optimizer_state(opt, keep=rank_zero, ledger=ledger)
-        if rank_zero:
-            atomic_torch_save({**rest, **out}, path)
+        # The layout marker (which entries are modules, which optimizers) lets `zeropp consolidate`
+        # recognise the file; load_objects drops it again.
+        zeropp.update(modules=list(modules), optimizers={k: owner_of(o, modules, unwrap) for k, o in optimizers.items()})
+        rank_zero_writes(f"writing {path}", lambda: atomic_torch_save({**rest, **out, ZEROPP: zeropp}, path))
         barrier()
         return
     tensors: dict[str, Any] = {key: model_tensors(unwrap(m)) for key, m in modules.items()}
@@ -92,20 +102,16 @@ def save_objects(
         optim_tensors[key], optim_meta[key] = optimizer_tensors_and_meta(unwrap(modules[owner]), opt)
         optim_meta[key]["module"] = owner
     tensors[OPTIM] = optim_tensors
-    meta = {
-        "state": dict(rest),
-        "optimizers": optim_meta,
-        "modules": list(modules),
-        "zeropp": {"format": FORMAT, "version": VERSION, **(info or {})},
-    }
+    meta = {"state": dict(rest), "optimizers": optim_meta, "modules": list(modules), ZEROPP: zeropp}
     with staged_directory(path, nonce, is_writer=rank_zero) as tmp:
         barrier()  # the directory exists before anyone writes
         save_tensors(tensors, tmp)
-        if rank_zero:
+
+        def finish() -> None:
             torch.save(meta, tmp / META_FILE)
-        barrier()  # every shard is on disk
-        if rank_zero:
             publish(tmp, path, nonce)
+
+        rank_zero_writes(f"writing {tmp / META_FILE}", finish)
     barrier()
 
 
@@ -147,6 +153,7 @@ def load_objects(
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist. Fix: check the path.")
     checkpoint = safe_load(path, weights_only)
+    checkpoint.pop(ZEROPP, None)
     for key, module in modules.items():
         if key in checkpoint:
             load_full_model_state(unwrap(module), checkpoint.pop(key), strict=strict)

@@ -18,16 +18,19 @@ region each rank's target tensor covers, whether the target is an FSDP2 shard (s
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from zeropp_strategy.checkpoint import integrity
 from zeropp_strategy.engine.stage1 import ShardedOptimizer
 
 FORMAT = "zeropp-sharded"
@@ -94,6 +97,13 @@ def optimizer_tensors_and_meta(module: nn.Module, optimizer: Optimizer) -> tuple
     return tensors, {"param_groups": groups, "state_meta": state_meta}
 
 
+def _model_class(module: nn.Module) -> type:
+    """The module's own class: FSDP2's ``fully_shard`` swaps in a subclass named ``FSDP<Name>``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
+
+
 def hf_models(module: nn.Module) -> list[dict[str, Any]]:
     """Outermost transformers models inside ``module``, for ``zeropp consolidate --hf``."""
     try:
@@ -103,11 +113,11 @@ def hf_models(module: nn.Module) -> list[dict[str, Any]]:
     found: list[dict[str, Any]] = []
     taken: list[str] = []
     for name, sub in module.named_modules():
-        if isinstance(sub, PreTrainedModel) and not any(name.startswith(t + ".") for t in taken):
+        if isinstance(sub, PreTrainedModel) and not any(t == "" or name.startswith(t + ".") for t in taken):
             taken.append(name)
             entry = {
                 "prefix": canonical(f"{name}.") if name else "",
-                "architecture": type(sub).__name__,
+                "architecture": _model_class(sub).__name__,
                 "config": sub.config.to_dict(),
             }
             generation = getattr(sub, "generation_config", None)
@@ -121,15 +131,40 @@ def hf_models(module: nn.Module) -> list[dict[str, Any]]:
 
 
 def save_tensors(tensors: Mapping[str, Any], directory: Path) -> None:
-    """Collective: every rank writes its shards into ``directory``."""
-    dcp.save(dict(tensors), checkpoint_id=str(directory))
+    """Collective: every rank writes its shards into ``directory`` and checksums them
+    ([Note: checkpoint checksums]). On failure (a full disk) every rank raises, and the
+    staged ``directory`` is removed: nothing was published."""
+    try:
+        dcp.save(dict(tensors), checkpoint_id=str(directory))
+        integrity.record(directory)
+    except (Exception, CheckpointException) as err:  # the latter is a BaseException
+        if integrity.is_writer():  # every rank is past its writes: DCP gathers their results first
+            shutil.rmtree(directory, ignore_errors=True)
+        raise integrity.write_failed(directory, err) from err
 
 
 # -- load -------------------------------------------------------------------------------
 
 
 def _metadata(directory: Path) -> dict[str, Any]:
-    return dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    try:
+        return dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    except (Exception, CheckpointException) as err:  # the latter is a BaseException
+        raise integrity.damaged_file(directory / ".metadata", err) from err
+
+
+def _load(state: dict[str, Any], directory: Path) -> None:
+    """Collective ``dcp.load``; a shard that cannot be read (an unverified checkpoint) fails on every rank."""
+    try:
+        dcp.load(state, checkpoint_id=str(directory))
+    except (Exception, CheckpointException) as err:  # the latter is a BaseException
+        failures = getattr(err, "failures", None) or {}
+        first = next(iter(failures.values()), (err,))
+        cause = first[0] if isinstance(first, tuple) else first
+        raise integrity.CheckpointError(
+            f"could not read the tensors of checkpoint {directory}: {type(cause).__name__}: {cause}. A shard "
+            "file is missing, truncated or corrupted. Fix: resume from another checkpoint, or restore this one."
+        ) from err
 
 
 def load_model(module: nn.Module, directory: Path, *, strict: bool, key: str = "model") -> None:
@@ -145,7 +180,7 @@ def load_model(module: nn.Module, directory: Path, *, strict: bool, key: str = "
             f"{unexpected[:8]}. Fix: load a checkpoint of this model, or set LightningModule.strict_loading = False."
         )
     targets = {k: v for k, v in by_name.items() if k in saved}
-    dcp.load({key: targets}, checkpoint_id=str(directory))
+    _load({key: targets}, directory)
     # dcp.load fills tensors in place; state_dict() tensors alias the parameters and
     # buffers, except where a module returns copies: copy those back.
     module.load_state_dict({k: v for k, v in current.items() if canonical(k) in targets}, strict=False)
@@ -180,7 +215,7 @@ def load_optimizer(module: nn.Module, optimizer: Optimizer, directory: Path, ind
                 t = torch.zeros(tuple(info.size), dtype=dtype, device="cpu" if p.device.type == "meta" else p.device)
             targets.setdefault(fqn, {})[key] = t
     if targets:
-        dcp.load({"optim": {str(index): targets}}, checkpoint_id=str(directory))
+        _load({"optim": {str(index): targets}}, directory)
     position = {names[id(p)]: i for i, p in enumerate(params)}
     state = {}
     for fqn, entries in meta["state_meta"].items():

@@ -61,7 +61,8 @@ def _load(skeleton: nn.Module, state: dict[str, Any]) -> nn.Module:
     missing = [k for k in missing if k not in tied]
     if missing or unexpected:
         raise RuntimeError(f"export: the gathered state does not fit the model: missing {missing[:5]}, "
-                           f"unexpected {unexpected[:5]}.")
+                           f"unexpected {unexpected[:5]}, so the folder would be partial; nothing was written. "
+                           "Fix: export the model the run trained (same architecture and LoRA config).")
     return skeleton
 
 
