@@ -32,7 +32,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, Dataset
 
 import zeropp_strategy  # noqa: F401  (registers "zeropp", "zeropp_stage_{1,2,3}" with Lightning)
-from zeropp_strategy.cli import ArgumentParser, UsageError, run
+from zeropp_strategy.errors import ArgumentParser, UsageError, run
 
 # -----------------------------------------------------------------------------
 # data: bytes in, bytes out. No tokenizer files, nothing to download.

@@ -26,7 +26,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from zeropp_strategy.cli import ArgumentParser, MissingPathError, UsageError
+from zeropp_strategy.errors import ArgumentParser, MissingPathError, UsageError
 
 __all__ = ["find_metrics", "main", "make_report", "read_metrics"]
 

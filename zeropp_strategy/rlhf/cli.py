@@ -29,7 +29,7 @@ from lightning.pytorch.cli import LightningCLI
 import zeropp_strategy  # noqa: F401 - registers the strategy names
 import zeropp_strategy.rlhf.modules  # noqa: F401 - makes the short class names resolvable
 import zeropp_strategy.rlhf.ppo  # noqa: F401
-from zeropp_strategy.cli import UsageError, check_arguments
+from zeropp_strategy.errors import UsageError, check_arguments
 
 __all__ = ["fit"]
 

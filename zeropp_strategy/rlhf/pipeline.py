@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import yaml
 
-from zeropp_strategy.cli import ArgumentParser, MissingPathError, UsageError, check_arguments
+from zeropp_strategy.errors import ArgumentParser, MissingPathError, UsageError, check_arguments
 
 __all__ = ["DEFAULT_RECIPE", "load_recipe", "main", "run_pipeline"]
 
