@@ -94,8 +94,34 @@ def test_wrap_policy_hf_user_and_size():
     assert select_blocks(net, wrap_modules=("Block",), wrap_min_params=1) == list(net.blocks)
     # Size-based: each Block has ~5.6k params; with a 5k threshold each Block is a group.
     assert select_blocks(net, wrap_modules=(), wrap_min_params=5000) == list(net.blocks)
-    with pytest.raises(ValueError, match=r"wrap_modules=\['Nope'\].*Fix"):
+    with pytest.raises(ValueError, match=r"wrap_modules=\['Nope'\].*Fix.*one of \['Block'\]"):
         select_blocks(net, wrap_modules=("Nope",), wrap_min_params=1)
+
+
+def test_wrap_modules_error_suggests_user_block_classes():
+    """Under the strategy the policy sees our internal root wrapping the LightningModule:
+    the fix names the model's blocks (Hugging Face's first), never the wrapper, the
+    LightningModule, containers or leaf layers."""
+    from lightning.pytorch import LightningModule
+    from transformers import LlamaForCausalLM
+
+    from tests._models import tiny_llama_config
+    from zeropp_strategy.engine.fsdp import ShardedRoot
+
+    class Lit(LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = LlamaForCausalLM(tiny_llama_config())
+
+    with pytest.raises(ValueError) as info:
+        select_blocks(ShardedRoot(Lit()), wrap_modules=("GPT2Block",), wrap_min_params=1)
+    message = str(info.value)
+    suggested = message.split("one of ", 1)[1]
+    assert suggested.startswith("['LlamaDecoderLayer'"), message
+    for internal in ("ShardedRoot", "'Lit'", "ModuleList", "'Linear'", "'Embedding'"):
+        assert internal not in suggested, message
+    with pytest.raises(ValueError, match="no composite submodule"):
+        select_blocks(nn.Linear(2, 2), wrap_modules=("Block",), wrap_min_params=1)
 
 
 def test_nested_wrap_matches_keep_outermost():

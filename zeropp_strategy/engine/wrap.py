@@ -41,15 +41,35 @@ def select_blocks(root: nn.Module, *, wrap_modules: tuple[str, ...], wrap_min_pa
     if names:
         blocks = [m for m in _post_order(root) if m is not root and _class_names(m) & names]
         if wrap_modules and not blocks:
-            present = sorted({type(m).__name__ for m in root.modules()})
-            raise ValueError(
-                f"ZeroConfig.wrap_modules={list(wrap_modules)!r} matched no submodule. "
-                f"Fix: use class names present in the model, e.g. one of {present[:12]}."
-            )
+            candidates = _block_candidates(root)[:8]
+            fix = (f"name the model's block class (usually the repeated layer), e.g. one of {candidates}"
+                   if candidates else "the model has no composite submodule to group; leave wrap_modules "
+                   "empty for size-based groups (wrap_min_params)")
+            raise ValueError(f"ZeroConfig.wrap_modules={list(wrap_modules)!r} matched no submodule. Fix: {fix}.")
         # Nested matches (a block inside a block) would make tiny inner groups; keep
         # the outermost match only.
         return [b for b in blocks if not any(b is not o and _contains(o, b) for o in blocks)]
     return _size_based(root, wrap_min_params)
+
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential, nn.ParameterList, nn.ParameterDict)
+
+
+def _block_candidates(root: nn.Module) -> list[str]:
+    """Class names worth suggesting for ``wrap_modules``: user-facing composite modules
+    with parameters (not leaves such as ``Linear``, not containers, not the root, not
+    this package's wrappers or a LightningModule); the Hugging Face block classes first,
+    then the most repeated classes."""
+    declared = hf_block_names(root)
+    counts: dict[str, int] = {}
+    for m in root.modules():
+        cls = type(m)
+        if (m is root or isinstance(m, _CONTAINERS) or cls.__module__.startswith("zeropp_strategy.")
+                or "LightningModule" in _class_names(m)
+                or next(m.children(), None) is None or next(m.parameters(), None) is None):
+            continue
+        counts[cls.__name__] = counts.get(cls.__name__, 0) + 1
+    return sorted(counts, key=lambda name: (name not in declared, -counts[name], name))
 
 
 def _contains(outer: nn.Module, inner: nn.Module) -> bool:
