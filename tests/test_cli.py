@@ -88,7 +88,7 @@ def test_help_and_import_load_neither_torch_nor_lightning(tmp_path: Path) -> Non
         "import zeropp_strategy, zeropp_strategy.cli\n"
         "heavy = lambda: sorted(m for m in ('torch', 'lightning', 'pytorch_lightning', 'transformers') if m in sys.modules)\n"
         "seen = [heavy()]\n"
-        "for argv in (['--help'], ['report', '--help']):\n"
+        "for argv in (['--help'], ['report', '--help'], ['demo', '--help'], ['pipeline', '--help'], ['consolidate', '--help']):\n"
         "    try:\n"
         "        zeropp_strategy.cli.main(argv)\n"
         "    except SystemExit as exit:\n"
@@ -98,7 +98,7 @@ def test_help_and_import_load_neither_torch_nor_lightning(tmp_path: Path) -> Non
     )
     proc = _python(code, tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "HEAVY [[], [], []]" in proc.stderr, proc.stderr[-4000:]
+    assert "HEAVY [[], [], [], [], [], []]" in proc.stderr, proc.stderr[-4000:]
     assert re.search(r"^\s+fit\s.*zeropp fit\s+--help", proc.stdout, re.M | re.S), proc.stdout
 
 

@@ -22,11 +22,13 @@ import sys
 from collections.abc import Callable
 
 from zeropp_strategy.errors import ArgumentParser, MissingPathError, UsageError, check_arguments, run
+from zeropp_strategy.parsers import consolidate_parser, demo_parser, pipeline_parser
 
 __all__ = ["ArgumentParser", "MissingPathError", "SUBCOMMANDS", "UsageError", "check_arguments", "main", "run"]
 
 
 def _demo(argv: list[str]) -> int:
+    demo_parser("zeropp demo").parse_args(argv)  # --help and flag errors without torch
     from zeropp_strategy import demo
 
     return demo.main(argv, prog="zeropp demo")
@@ -39,6 +41,7 @@ def _fit(argv: list[str]) -> int:
 
 
 def _pipeline(argv: list[str]) -> int:
+    pipeline_parser("zeropp pipeline").parse_args(argv)
     from zeropp_strategy.rlhf.pipeline import main
 
     return main(argv, prog="zeropp pipeline")
@@ -51,6 +54,7 @@ def _report(argv: list[str]) -> int:
 
 
 def _consolidate(argv: list[str]) -> int:
+    consolidate_parser("zeropp consolidate").parse_args(argv)
     from zeropp_strategy.checkpoint import consolidate
 
     return consolidate.main(argv, prog="zeropp consolidate")
@@ -90,8 +94,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # `python -m zeropp_strategy.cli`: run the imported module's main, so that the UsageError
-    # the subcommands raise (zeropp_strategy.cli.UsageError) is the class `run` catches
-    from zeropp_strategy.cli import main as _main
-
-    raise SystemExit(_main())
+    raise SystemExit(main())

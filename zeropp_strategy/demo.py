@@ -16,7 +16,6 @@ first process, and handed to the others in an environment variable.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import os
 import sys
@@ -32,7 +31,8 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, Dataset
 
 import zeropp_strategy  # noqa: F401  (registers "zeropp", "zeropp_stage_{1,2,3}" with Lightning)
-from zeropp_strategy.errors import ArgumentParser, UsageError, run
+from zeropp_strategy.errors import UsageError, run
+from zeropp_strategy.parsers import demo_parser as build_parser
 
 # -----------------------------------------------------------------------------
 # data: bytes in, bytes out. No tokenizer files, nothing to download.
@@ -134,18 +134,6 @@ class TinyCausalLM(L.LightningModule):
 # run
 
 _OUTPUT_DIR_ENV = "ZEROPP_DEMO_OUTPUT_DIR"
-
-
-def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
-    p = ArgumentParser(prog=prog, description="Train a tiny causal LM under a ZeRO strategy on CPU.")
-    p.add_argument("--strategy", default="zeropp", help="Lightning strategy name (default: zeropp; try ddp)")
-    p.add_argument("--devices", type=int, default=2, help="CPU processes (default: 2)")
-    p.add_argument("--max-steps", type=int, default=60, help="optimizer steps (default: 60)")
-    p.add_argument("--precision", default="32-true", help="Lightning precision (default: 32-true)")
-    p.add_argument("--batch-size", type=int, default=8, help="windows per rank per step (default: 8)")
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--output-dir", default=None, help="where the CSV log goes (default: a fresh temp dir)")
-    return p
 
 
 def _output_dir(requested: str | None) -> str:

@@ -32,7 +32,6 @@ Tests: python -m pytest tests/test_consolidate.py -q
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -49,7 +48,9 @@ from zeropp_strategy.checkpoint.integrity import check_written
 from zeropp_strategy.checkpoint.layout import LIGHTNING, FullCheckpoint, ShardedCheckpoint, open_checkpoint
 from zeropp_strategy.checkpoint.sharded import CALLBACK_TENSORS_ID
 from zeropp_strategy.checkpoint.sharded import TENSOR as TENSOR_MARK
-from zeropp_strategy.errors import USAGE_EXIT, ArgumentParser, UsageError, run
+from zeropp_strategy.errors import USAGE_EXIT, UsageError, run
+from zeropp_strategy.parsers import CONSOLIDATE_DTYPES
+from zeropp_strategy.parsers import consolidate_parser as build_parser
 
 __all__ = ["consolidate", "parse_size", "main"]
 
@@ -59,6 +60,7 @@ CONSOLIDATED_FORMAT = "zeropp-consolidated"  # the "zeropp" block's format in a 
 DEFAULT_MAX_SHARD_BYTES = 2 * 2**30
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+assert tuple(sorted(DTYPES)) == CONSOLIDATE_DTYPES  # what `zeropp consolidate --dtype` offers
 _DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float": "fp32"}
 
 # [Note: one tensor at a time]
@@ -473,30 +475,6 @@ def parse_size(text: str) -> int:
     if m is None or unit not in _UNITS or int(float(m.group(1)) * _UNITS[unit]) <= 0:
         raise ValueError(f"size {text!r} is invalid: write a positive number and a unit, e.g. 2GB, 500MB, 2GiB.")
     return int(float(m.group(1)) * _UNITS[unit])
-
-
-def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
-    p = ArgumentParser(
-        prog=prog,
-        description=(
-            "Turn a zeropp sharded checkpoint directory (Lightning, Fabric, or Accelerate's save_state "
-            "folder) into one full checkpoint file (for Lightning what strategy='ddp' would have saved), "
-            "or with --hf into a Hugging Face folder for from_pretrained. Verifies the checkpoint's "
-            "checksums; runs in one CPU process; reads one tensor at a time. Errors exit with status 2."
-        ),
-    )
-    p.add_argument("ckpt", metavar="CKPT", help="sharded checkpoint directory, or Accelerate save_state folder (with --hf also a one-file checkpoint)")
-    p.add_argument("out", metavar="OUT", help="output file, or folder with --hf")
-    p.add_argument("--hf", action="store_true", help="write a Hugging Face folder: config.json, safetensors, tokenizer")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                   help="cast floating-point model weights (default: keep the stored dtype)")  # fmt: skip
-    p.add_argument("--max-shard-size", default="2GiB", metavar="SIZE",
-                   help="largest safetensors file with --hf, e.g. 5GB, 500MB, 2GiB (default: 2GiB)")  # fmt: skip
-    p.add_argument("--unsafe-load", action="store_true",
-                   help="torch.load with weights_only=False: runs arbitrary code, trusted files only")  # fmt: skip
-    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
-    p.add_argument("--ema", action="store_true", help="the ShardedEMA callback's averaged weights instead of the trained ones")
-    return p
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:

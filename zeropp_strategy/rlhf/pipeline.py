@@ -37,7 +37,8 @@ from typing import Any
 import torch
 import yaml
 
-from zeropp_strategy.errors import ArgumentParser, MissingPathError, UsageError, check_arguments
+from zeropp_strategy.errors import MissingPathError, UsageError, check_arguments
+from zeropp_strategy.parsers import pipeline_parser
 
 __all__ = ["DEFAULT_RECIPE", "load_recipe", "main", "run_pipeline"]
 
@@ -221,11 +222,7 @@ def run_pipeline(recipe: dict[str, Any], output_dir: str | Path, *, strategy: st
 
 
 def main(argv: list[str] | None = None, prog: str = "zeropp pipeline") -> int:
-    parser = ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", default=None, help="pipeline recipe (default: the embedded one)")
-    parser.add_argument("--output-dir", required=True, help="where the three models and summary.json go")
-    parser.add_argument("--strategy", default=None, help="override trainer.strategy (e.g. ddp, zeropp_stage_2)")
-    parser.add_argument("--devices", type=int, default=None, help="override trainer.devices")
+    parser = pipeline_parser(prog)
     args = parser.parse_args(argv)
     recipe = load_recipe(args.config)
     summary = run_pipeline(recipe, args.output_dir, strategy=args.strategy, devices=args.devices)
