@@ -22,14 +22,14 @@ __version__ = "0.1.0"
 
 # public name -> the module that defines it
 _EXPORTS = {
-    "PRESETS": "zeropp_strategy.strategy",
+    "PRESETS": "zeropp_strategy.presets",
     "CommKind": "zeropp_strategy.comm.ledger",
     "CommLedger": "zeropp_strategy.comm.ledger",
     "CommTotals": "zeropp_strategy.comm.ledger",
     "MemoryStats": "zeropp_strategy.engine.memory",
     "OffloadConfig": "zeropp_strategy.config",
     "Phase": "zeropp_strategy.comm.ledger",
-    "ShardedGradScaler": "zeropp_strategy.precision",
+    "ShardedGradScaler": "zeropp_strategy.engine.precision",
     "Topology": "zeropp_strategy.topology",
     "ZeroConfig": "zeropp_strategy.config",
     "ZeroConfigWarning": "zeropp_strategy.config",

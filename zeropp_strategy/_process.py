@@ -21,6 +21,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
 from zeropp_strategy.engine.core import ZeroEngine, attempt_store, check_offload_paths, default_backend
+from zeropp_strategy.presets import PRESETS
 
 T = TypeVar("T")
 
@@ -80,8 +81,6 @@ class ProcessMixin:
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        from zeropp_strategy.strategy import PRESETS
-
         for name, fields in PRESETS.items():
             if name in strategy_registry:
                 continue

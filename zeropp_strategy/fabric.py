@@ -52,7 +52,8 @@ from zeropp_strategy.engine.core import (
 )
 from zeropp_strategy.engine.core import unwrap as _unwrap
 from zeropp_strategy.engine.fsdp import fsdp_modules, has_meta
-from zeropp_strategy.precision import ZeroPPPrecision, clip_grad_norm, clip_grad_value
+from zeropp_strategy.engine.precision import clip_grad_norm, clip_grad_value
+from zeropp_strategy.engine.precision import PrecisionPolicy
 
 
 def _flag_of(precision: Precision) -> str:
@@ -138,14 +139,14 @@ class ZeroPPFabricStrategy(ProcessMixin, ParallelStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         self._connect()
-        engine_precision = ZeroPPPrecision(_flag_of(self.precision), device=self.root_device.type)
+        engine_precision = PrecisionPolicy(_flag_of(self.precision), device=self.root_device.type)
         self._engine = self._start_engine(engine_precision)
         self._use_sharded_scaler()
         rank_zero_info(f"zeropp (Fabric): stage {self.stage}, {self.engine.topology.describe()}")
 
     def _use_sharded_scaler(self) -> None:
         """16-mixed: Fabric's GradScaler checks for inf only locally; ours all-reduces."""
-        from zeropp_strategy.precision import ShardedGradScaler
+        from zeropp_strategy.engine.precision import ShardedGradScaler
 
         scaler = getattr(self.precision, "scaler", None)
         if scaler is not None and not isinstance(scaler, ShardedGradScaler):

@@ -87,30 +87,11 @@ from zeropp_strategy.engine.state import (
     load_full_optimizer_state,
 )
 from zeropp_strategy.precision import ZeroPPPrecision, from_lightning_plugin
+from zeropp_strategy.presets import PRESETS as PRESETS  # re-export: zeropp_strategy.strategy.PRESETS
 from zeropp_strategy.topology import Meshes, Topology
 
 log = logging.getLogger(__name__)
 _TENSORS = "__zeropp_tensors__"  # optimizer_state() -> save_checkpoint hand-off key
-
-#: Registry names -> ZeroConfig fields they set. ``zeropp`` is stage 3 plus ZeRO++.
-PRESETS: dict[str, dict[str, Any]] = {
-    # hpz_partition_size=0: ranks per node, resolved at setup.
-    "zeropp": {"stage": 3, "quantized_weights": True, "hpz_partition_size": 0, "quantized_gradients": True},
-    # Offload presets: ZeRO++ with the optimizer step on the host (ZeRO-Offload) and
-    # parameter shards resting in host memory; the nvme one keeps optimizer state and
-    # parameter shards on NVMe (ZeRO-Infinity), under $ZEROPP_NVME_PATH.
-    "zeropp_offload": {
-        "stage": 3, "quantized_weights": True, "hpz_partition_size": 0, "quantized_gradients": True,
-        "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"},
-    },
-    "zeropp_offload_nvme": {
-        "stage": 3, "quantized_weights": True, "hpz_partition_size": 0, "quantized_gradients": True,
-        "offload_optimizer": {"device": "nvme"}, "offload_param": {"device": "nvme"},
-    },
-    "zeropp_stage_1": {"stage": 1},
-    "zeropp_stage_2": {"stage": 2},
-    "zeropp_stage_3": {"stage": 3},
-}
 
 
 class _ResumingLauncher(_SubprocessScriptLauncher):

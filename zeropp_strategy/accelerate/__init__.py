@@ -52,8 +52,9 @@ from zeropp_strategy.engine.core import (
 )
 from zeropp_strategy.engine.core import unwrap as _unwrap
 from zeropp_strategy.engine.fsdp import fsdp_modules
+from zeropp_strategy.engine.precision import ShardedGradScaler, clip_grad_norm_params, clip_grad_norm_rows
 from zeropp_strategy.engine.state import full_model_state
-from zeropp_strategy.precision import ShardedGradScaler, ZeroPPPrecision, clip_grad_norm_params, clip_grad_norm_rows
+from zeropp_strategy.engine.precision import PrecisionPolicy
 
 __all__ = ["CONFIG_ENV", "ZeroPPAccelerator", "config_from_env"]
 
@@ -209,7 +210,7 @@ class ZeroPPAccelerator(Accelerator):
                 world_size=self.num_processes,
                 ranks_per_node=ranks_per_node,
                 device=self.device,
-                precision=ZeroPPPrecision(flag, device=self.device.type),  # type: ignore[arg-type]
+                precision=PrecisionPolicy(flag, device=self.device.type),
                 info=lambda msg: self.print(msg),
             )
             self.print(f"zeropp: ZeroPPAccelerator stage {config.stage}, {self.zero_engine.topology.describe()}")

@@ -25,8 +25,8 @@ import torch
 from zeropp_strategy.checkpoint import integrity
 
 META_FILE = "zeropp_meta.pt"
-TMP_TAG = ".tmp-"
-OLD_TAG = ".old-"
+TMP_TAG = integrity.TMP_TAG
+OLD_TAG = integrity.OLD_TAG
 
 
 def new_nonce() -> str:

@@ -28,6 +28,11 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+# Names of a save in progress and of the checkpoint it replaces (atomic.py publishes):
+# ``<name>.tmp-<nonce>`` while the ranks write, ``<name>.old-<nonce>`` while it is swapped.
+TMP_TAG = ".tmp-"
+OLD_TAG = ".old-"
+
 log = logging.getLogger(__name__)
 
 CHECKSUM_FILE = "zeropp_checksums.json"
@@ -223,8 +228,6 @@ def write_failed(path: Path, err: BaseException) -> OSError:
 
 def published_name(path: Path) -> Path:
     """``<name>.tmp-<nonce>`` (a save being staged, see atomic.py) -> ``<name>``."""
-    from zeropp_strategy.checkpoint.atomic import TMP_TAG  # atomic imports this module
-
     return path.with_name(path.name.split(TMP_TAG)[0]) if TMP_TAG in path.name else path
 
 

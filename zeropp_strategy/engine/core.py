@@ -5,7 +5,7 @@ user hands them a model and an optimizer and in their hooks; what they do to tho
 objects is the same and lives here, once:
 
 - ``start``: after the default process group exists, detect the topology, build the
-  device meshes and the CommLedger, bind the precision plugin;
+  device meshes and the CommLedger, bind the precision policy (``engine.precision``);
 - ``prepare_stage1`` + ``wrap_ddp``: stage 1 materializes the module and wraps it in DDP
   (all-reduce booked by a ledger hook); ``shard`` + ``module_to_device``: stages 2/3 apply
   FSDP2 with our comm objects (``engine.fsdp.shard_module``), plus NVMe parameter offload
@@ -42,10 +42,10 @@ from zeropp_strategy.comm.ledger import CommKind, CommLedger
 from zeropp_strategy.config import ZeroConfig
 from zeropp_strategy.engine.dtensor import local as _local
 from zeropp_strategy.engine.fsdp import ShardedRoot, fsdp_modules, materialize, replicated_params, shard_module
+from zeropp_strategy.engine.precision import PrecisionPolicy
 from zeropp_strategy.engine.stage1 import ShardedOptimizer
 from zeropp_strategy.engine.stage1_reduce import PartitionedReduce, partitioned_reduce_hook
 from zeropp_strategy.engine.watchdog import PeerWatchdog
-from zeropp_strategy.precision import ZeroPPPrecision
 from zeropp_strategy.topology import Meshes, Topology
 
 log = logging.getLogger(__name__)
@@ -110,7 +110,7 @@ class ZeroEngine:
         topology: Topology,
         meshes: Meshes,
         ledger: CommLedger,
-        precision: ZeroPPPrecision,
+        precision: PrecisionPolicy,
         device: torch.device,
         info: Callable[[str], None] = log.info,
     ) -> None:
@@ -143,7 +143,7 @@ class ZeroEngine:
         world_size: int,
         ranks_per_node: int,
         device: torch.device,
-        precision: ZeroPPPrecision,
+        precision: PrecisionPolicy,
         info: Callable[[str], None] = log.info,
     ) -> ZeroEngine:
         """Call once the default process group exists (every rank). Its first collective

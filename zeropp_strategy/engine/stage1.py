@@ -52,6 +52,7 @@ from torch.optim import Optimizer
 from zeropp_strategy.comm.collectives import all_gather_into
 from zeropp_strategy.comm.hierarchical import NodeGroups
 from zeropp_strategy.comm.ledger import CommKind, CommLedger, Phase
+from zeropp_strategy.primitives import WrappingOptimizer as WrappingOptimizer  # re-export: its old home
 
 
 def row_range(dim0: int, rank: int, world_size: int) -> tuple[int, int]:
@@ -69,35 +70,6 @@ class _Slot:
     shard: nn.Parameter  # DTensor whose local tensor aliases rows of ``param``
     rows: tuple[int, int]
     chunk_rows: int  # rows every rank contributes to the gather (padding included)
-
-
-class WrappingOptimizer(Optimizer):
-    """Base of optimizers that wrap the user's: its ``param_groups`` and ``defaults`` are
-    the wrapped optimizer's own objects, so LR schedulers (bound to the user's optimizer)
-    and code holding the wrapper see the same hyper-parameters. Subclasses set
-    ``self.optimizer`` and skip ``Optimizer.__init__``."""
-
-    optimizer: Optimizer
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self.optimizer.param_groups = value
-
-    @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
-        return self.optimizer.defaults
-
-    @staticmethod
-    def _evaluate(closure: Callable[[], Any] | None) -> Any:
-        """Run ``step``'s closure (forward and backward) with grad enabled; its loss."""
-        if closure is None:
-            return None
-        with torch.enable_grad():
-            return closure()
 
 
 class ShardedOptimizer(WrappingOptimizer):

@@ -50,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from zeropp_strategy.kernels import check_chunks, check_input, check_quant_args, check_quantized, normalize_order
+from zeropp_strategy.kernels.checks import check_chunks, check_input, check_quant_args, check_quantized, normalize_order
 from zeropp_strategy.kernels.reference import QMAX, num_blocks, padded_numel
 
 # Elements a program handles per pass: 4096 (16 KiB of fp32 input), the size the Triton

@@ -58,9 +58,9 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from zeropp_strategy.config import OffloadConfig
-from zeropp_strategy.engine.stage1 import WrappingOptimizer
 from zeropp_strategy.offload.swap import ALIGN, SwapDir, SwapFile, aligned_buffer, wait
-from zeropp_strategy.engine.dtensor import local as _local
+from zeropp_strategy.primitives import WrappingOptimizer
+from zeropp_strategy.primitives import local as _local
 
 log = logging.getLogger(__name__)
 

@@ -25,11 +25,9 @@ from torch import nn
 from zeropp_strategy.checkpoint.atomic import new_nonce, publish, remove_stale, tmp_sibling
 from zeropp_strategy.engine.core import agree
 from zeropp_strategy.engine.state import full_model_state
+from zeropp_strategy.rlhf.models import HEAD_FILE, STATS_FILE, merged
 
 __all__ = ["HEAD_FILE", "STATS_FILE", "export_causal_lm", "export_scalar_model"]
-
-HEAD_FILE = "value_head.safetensors"
-STATS_FILE = "reward_stats.json"
 
 
 def _is_writer() -> bool:
@@ -87,8 +85,6 @@ def export_causal_lm(model: nn.Module, directory: str | Path, *, tokenizer: Any 
 
 
 def _write_causal_lm(model: nn.Module, state: dict[str, Any], directory: str | Path, tokenizer: Any) -> None:
-    from zeropp_strategy.rlhf.models import merged
-
     plain = merged(_load(_skeleton(model), state))
     generation = getattr(model, "generation_config", None)
     if generation is not None:
@@ -115,8 +111,6 @@ def export_scalar_model(
 def _write_scalar_model(model: nn.Module, state: dict[str, Any], directory: str | Path, tokenizer: Any,
                         stats: dict[str, float] | None) -> None:
     from safetensors.torch import save_file
-
-    from zeropp_strategy.rlhf.models import merged
 
     backbone_state = {k[len("backbone."):]: v for k, v in state.items() if k.startswith("backbone.")}
     backbone = merged(_load(_skeleton(model.backbone), backbone_state))

@@ -16,7 +16,13 @@ from torch import Tensor, nn
 
 from zeropp_strategy.rlhf.ops import last_index
 
-__all__ = ["ScalarHeadModel", "apply_lora", "build_causal_lm", "build_tokenizer", "positions", "tiny_llama_config"]
+__all__ = ["HEAD_FILE", "STATS_FILE", "ScalarHeadModel", "apply_lora", "build_causal_lm", "build_tokenizer",
+           "positions", "tiny_llama_config"]
+
+# A ScalarHeadModel folder (written by export.export_scalar_model): the backbone's
+# save_pretrained output plus these two files.
+HEAD_FILE = "value_head.safetensors"
+STATS_FILE = "reward_stats.json"
 
 
 def positions(attention_mask: Tensor) -> Tensor:
@@ -131,8 +137,6 @@ class ScalarHeadModel(nn.Module):
     def _load_head(self, folder: Path) -> None:
         """A folder written by ``export_scalar_model`` carries the trained head and the
         statistics; a plain causal-LM folder (the SFT output) gets a fresh head."""
-        from zeropp_strategy.rlhf.export import HEAD_FILE, STATS_FILE
-
         if (folder / HEAD_FILE).is_file():
             from safetensors.torch import load_file
 

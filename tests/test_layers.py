@@ -1,0 +1,37 @@
+"""The layering contracts of pyproject.toml's [tool.importlinter] (kernels <- comm <-
+engine <- front-ends <- recipes and CLI; no import cycles; kernels, comm and the engine
+free of Lightning and Accelerate), checked by running import-linter's ``lint-imports``
+from the repository root, so that ``python -m pytest`` enforces them."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _lint_imports() -> str | None:
+    """The ``lint-imports`` script of this interpreter's environment, else the one on PATH."""
+    name = "lint-imports.exe" if os.name == "nt" else "lint-imports"
+    beside = Path(sys.executable).with_name(name)
+    return str(beside) if beside.is_file() else shutil.which("lint-imports")
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("importlinter") is None or _lint_imports() is None,
+    reason="import-linter is not installed (it is in the `test` extra: pip install -e '.[test]')",
+)
+def test_import_contracts_hold() -> None:
+    proc = subprocess.run(
+        [_lint_imports(), "--config", "pyproject.toml", "--no-cache", "--no-logo"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, f"lint-imports found broken contracts:\n{proc.stdout}\n{proc.stderr}"
+    assert "0 broken" in proc.stdout, proc.stdout

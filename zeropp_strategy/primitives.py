@@ -1,0 +1,61 @@
+"""Layer: primitives, the bottom one beside kernels: torch-only building blocks that the
+engine and offload both use, so that neither has to import the other's package (offload
+sits below the engine: the engine drives the host optimizer and the parameter store).
+
+- the one place that tells a DTensor (a sharded parameter, gradient or state) from a
+  plain tensor, and gives the part of it this rank holds (``is_dtensor``, ``local``;
+  also importable from ``zeropp_strategy.engine.dtensor``);
+- ``WrappingOptimizer``, the base of the optimizers that wrap the user's (stage 1's
+  ``ShardedOptimizer``, ``OffloadOptimizer``; also importable from
+  ``zeropp_strategy.engine.stage1``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+__all__ = ["WrappingOptimizer", "is_dtensor", "local"]
+
+
+def is_dtensor(t: object) -> bool:
+    return isinstance(t, DTensor)
+
+
+def local(t: Tensor) -> Tensor:
+    """This rank's part: the local shard of a DTensor, the tensor itself otherwise."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class WrappingOptimizer(Optimizer):
+    """Base of optimizers that wrap the user's: its ``param_groups`` and ``defaults`` are
+    the wrapped optimizer's own objects, so LR schedulers (bound to the user's optimizer)
+    and code holding the wrapper see the same hyper-parameters. Subclasses set
+    ``self.optimizer`` and skip ``Optimizer.__init__``."""
+
+    optimizer: Optimizer
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    @staticmethod
+    def _evaluate(closure: Callable[[], Any] | None) -> Any:
+        """Run ``step``'s closure (forward and backward) with grad enabled; its loss."""
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
