@@ -34,10 +34,8 @@ import torch
 import torch.distributed as dist
 
 from zeropp_strategy.comm.collectives import (
-    AllGather,
     EmptyAlloc,
     LedgerReduceScatter,
-    ReduceScatter,
     group_ranks,
     param_gather_kind,
     tensor_bytes,
@@ -45,6 +43,7 @@ from zeropp_strategy.comm.collectives import (
 from zeropp_strategy.comm.comm_thread import BackwardDeferral
 from zeropp_strategy.comm.hierarchical import NodeGroups, all_gather
 from zeropp_strategy.comm.ledger import CommKind, CommLedger
+from zeropp_strategy.fsdp_private import AllGather, ReduceScatter
 from zeropp_strategy.kernels import (
     dequant_reduce_quantize,
     dequantize_gathered,

@@ -65,7 +65,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +74,15 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 
 from zeropp_strategy.config import OffloadConfig
+from zeropp_strategy.fsdp_private import (
+    group_params,
+    param_groups,
+    set_sharded_data,
+    sharded_data,
+    sharded_param,
+    unshard_is_noop,
+    wrap_unshard,
+)
 from zeropp_strategy.offload.swap import ALIGN, SwapDir, SwapFile, align_up, start_write_back, write_back
 
 log = logging.getLogger(__name__)
@@ -248,27 +257,22 @@ class ParamStore:
     # -- layout -----------------------------------------------------------------------------
 
     def _rehome(self, root: nn.Module) -> None:
-        groups = []
-        for m in root.modules():
-            if isinstance(m, FSDPModule):
-                state = m._get_fsdp_state()  # noqa: SLF001 - FSDP2 has no public handle on its groups
-                groups.extend(state._fsdp_param_groups)  # noqa: SLF001
+        groups = [g for m in root.modules() if isinstance(m, FSDPModule) for g in param_groups(m)]
         by_dtype: dict[torch.dtype, list[Any]] = {}
         for g in groups:
-            for fp in g.fsdp_params:
-                data = fp._sharded_param_data  # noqa: SLF001
+            for fp in group_params(g):
+                data = sharded_data(fp)
                 if data.device.type != "cpu":
                     raise RuntimeError("offload_param='nvme' needs FSDP2's CPU offload policy underneath")
                 by_dtype.setdefault(data.dtype, []).append(fp)
-        total = sum(align_up(fp._sharded_param_data.numel() * fp._sharded_param_data.element_size())  # noqa: SLF001
-                    for fps in by_dtype.values() for fp in fps)
+        total = sum(align_up(sharded_data(fp).nbytes) for fps in by_dtype.values() for fp in fps)
         self._dir.ensure_space(total)
         for dtype, fps in by_dtype.items():
             esize = torch.empty((), dtype=dtype).element_size()
             offsets, cursor = [], 0
             for fp in fps:
                 offsets.append(cursor)
-                cursor += align_up(fp._sharded_param_data.numel() * esize)  # noqa: SLF001
+                cursor += align_up(sharded_data(fp).numel() * esize)
             name = str(dtype).replace("torch.", "")
             file = SwapFile(self._dir.path / f"params.{name}.swap", cursor, _NoPool(), direct=False,
                             io_block_bytes=ALIGN)
@@ -281,7 +285,7 @@ class ParamStore:
             write_back(file.fd, flat.data_ptr(), 0, file.nbytes)  # once, synchronously, at setup
         for g in groups:
             self._groups[id(g)] = g
-            self._group_regions[id(g)] = [self._regions[id(fp.sharded_param)] for fp in g.fsdp_params]
+            self._group_regions[id(g)] = [self._regions[id(sharded_param(fp))] for fp in group_params(g)]
             self._wrap(g)
         for region in self._regions.values():
             region.evict(drop_cache=True)
@@ -289,23 +293,18 @@ class ParamStore:
 
     @torch.no_grad()
     def _rehome_one(self, fp: Any, flat: Tensor, off: int, esize: int, mm: mmap.mmap, file: SwapFile) -> None:
-        data = fp._sharded_param_data  # noqa: SLF001
+        data = sharded_data(fp)
         n = data.numel()
         region = flat[off : off + n * esize].view(data.dtype)
         region.copy_(data)
-        padded = region.view(fp.padded_sharded_param_size)
-        local = fp.sharded_param._local_tensor  # noqa: SLF001
-        length = local.size(0) if local.numel() > 0 else 0
-        fp._sharded_param_data = region  # noqa: SLF001 - the two references FSDP2 reads
-        fp.sharded_param._local_tensor = padded.narrow(0, 0, length)  # noqa: SLF001
-        self._regions[id(fp.sharded_param)] = _Region(mm, file.fd, file.path, flat.data_ptr(), off, n * esize)
+        set_sharded_data(fp, region)  # FSDP2's flat copy and the DTensor's local tensor now view the file
+        self._regions[id(sharded_param(fp))] = _Region(mm, file.fd, file.path, flat.data_ptr(), off, n * esize)
 
     def _wrap(self, group: Any) -> None:
-        unshard = group.unshard
         gid = id(group)
 
-        def unshard_from_nvme(async_op: bool = False) -> Any:
-            if group._all_gather_result is not None or group.is_unsharded:
+        def unshard_from_nvme(unshard: Callable[[bool], Any], async_op: bool) -> Any:
+            if unshard_is_noop(group):
                 # FSDP2's own no-op (a prefetch already issued it, [Note: prefetch] in engine/
                 # fsdp.py): not a gather, so it must not teach the read-ahead a false order.
                 return unshard(async_op)
@@ -323,7 +322,7 @@ class ParamStore:
                 self._gather_s += time.perf_counter() - t0
                 self._gather_faults += _major_faults() - faults
 
-        group.unshard = unshard_from_nvme
+        wrap_unshard(group, unshard_from_nvme)
 
     def _before_unshard(self, gid: int) -> None:
         if self._closed:

@@ -18,13 +18,14 @@ and the same under every strategy.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from zeropp_strategy.engine.fsdp import fsdp_modules
+from zeropp_strategy.fsdp_private import keep_unsharded_after_forward
 from zeropp_strategy.rlhf.models import positions
 from zeropp_strategy.rlhf.ops import sampling_logits
 
@@ -36,21 +37,10 @@ def gathered(model: nn.Module, enabled: bool = True) -> Iterator[None]:
     """Within the context, the FSDP blocks inside ``model`` stay unsharded after their
     forward; on exit they are resharded and their reshard-after-forward setting restored.
     A model with no FSDP block (stages 1/2, DDP, one process) is left as it is."""
-    blocks = fsdp_modules(model) if enabled else []
-    saved = []
-    for block in blocks:
-        state = block._get_fsdp_state()
-        saved.append((state, state._auto_reshard_after_forward,
-                      [g.post_forward_mesh_info for g in state._fsdp_param_groups]))
-        block.set_reshard_after_forward(False, recurse=False)
-    try:
+    with ExitStack() as stack:
+        for block in fsdp_modules(model) if enabled else []:
+            stack.enter_context(keep_unsharded_after_forward(block))
         yield
-    finally:
-        for block, (state, auto, infos) in zip(blocks, saved):
-            block.reshard()
-            state._auto_reshard_after_forward = auto
-            for group, info in zip(state._fsdp_param_groups, infos):
-                group.post_forward_mesh_info = info
 
 
 @torch.no_grad()
