@@ -11,8 +11,11 @@
 
 One CPU process, no process group, no GPU: the sharded checkpoint is read with
 ``torch.distributed.checkpoint`` (DCP) in its single-process mode, one tensor at a time
-(see [Note: one tensor at a time]). The output is written to a ``OUT.tmp-<pid>`` sibling
-and renamed into place when complete, so an interrupted run never leaves a half-written OUT.
+(see [Note: one tensor at a time]). The output is written to a ``OUT.tmp-<nonce>`` sibling
+and renamed into place when complete (checkpoint/atomic.py), so an interrupted run never
+leaves a half-written OUT. A Hugging Face folder is written by checkpoint/hf.py, the one
+exporter the RLHF modules' ``export_dir`` uses too; this file only hands it the weights
+(read one tensor at a time) and the config the strategy recorded.
 
 Which layouts are read (Lightning, Fabric, Accelerate; sharded or full) and how they are
 told apart: checkpoint/layout.py. A sharded directory's checksums are verified before
@@ -32,18 +35,18 @@ Tests: python -m pytest tests/test_consolidate.py -q
 
 from __future__ import annotations
 
-import json
-import logging
 import os
 import re
-import shutil
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from zeropp_strategy.checkpoint.atomic import atomic_torch_save
+from zeropp_strategy.checkpoint.hf import (DEFAULT_MAX_SHARD_BYTES, HFModel, WeightReader, cast_floating,
+                                           config_from_record, write_hf)
 from zeropp_strategy.checkpoint.integrity import check_written
 from zeropp_strategy.checkpoint.layout import LIGHTNING, FullCheckpoint, ShardedCheckpoint, open_checkpoint
 from zeropp_strategy.checkpoint.sharded import CALLBACK_TENSORS_ID
@@ -54,10 +57,7 @@ from zeropp_strategy.parsers import consolidate_parser as build_parser
 
 __all__ = ["consolidate", "parse_size", "main"]
 
-log = logging.getLogger(__name__)
-
 CONSOLIDATED_FORMAT = "zeropp-consolidated"  # the "zeropp" block's format in a file we write
-DEFAULT_MAX_SHARD_BYTES = 2 * 2**30
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 assert tuple(sorted(DTYPES)) == CONSOLIDATE_DTYPES  # what `zeropp consolidate --dtype` offers
@@ -78,10 +78,6 @@ _DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "hal
 
 
 # -- (a) one Lightning checkpoint file ------------------------------------------------------
-
-
-def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    return t.to(dtype) if dtype is not None and t.is_floating_point() and t.dtype != dtype else t
 
 
 def _is_mark(value: Any) -> bool:
@@ -116,7 +112,7 @@ def _optimizer_state(src: ShardedCheckpoint, i: int | str, entry: Mapping[str, A
 
 def _write_lightning(src: ShardedCheckpoint, out: Path, dtype: torch.dtype | None) -> None:
     # Model first, then each optimizer: one tensor read at a time, see [Note: one tensor at a time].
-    state_dict = {fqn: _cast(src.read_model(fqn), dtype) for fqn in src.model_keys()}
+    state_dict = {fqn: cast_floating(src.read_model(fqn), dtype) for fqn in src.model_keys()}
     checkpoint: dict[str, Any] = {}
     for key, value in src.meta.items():
         if key == "optimizer_states":
@@ -149,7 +145,7 @@ def _write_objects(src: ShardedCheckpoint, out: Path, dtype: torch.dtype | None)
     count = 0
     for module in src.modules:
         prefix = f"{module}."
-        checkpoint[module] = {k[len(prefix) :]: _cast(src.read_model(k), dtype) for k in src.model_keys(module)}
+        checkpoint[module] = {k[len(prefix) :]: cast_floating(src.read_model(k), dtype) for k in src.model_keys(module)}
         count += len(checkpoint[module])
     owners = {}
     for key, entry in (src.meta.get("optimizers") or {}).items():
@@ -163,186 +159,26 @@ def _save_checked(src: ShardedCheckpoint, checkpoint: dict[str, Any], out: Path,
     """Write ``out`` only when it holds every tensor of the checkpoint, model weights first of all."""
     check_written(out, f"model tensors (modules {src.modules})", model_tensors, len(src.model_keys()))
     check_written(out, "tensors of the checkpoint", len(src.consumed & set(src.entries)), len(src.entries))
-    torch.save(checkpoint, out)
+    atomic_torch_save(checkpoint, out)
 
 
-# -- (b) Hugging Face folder ----------------------------------------------------------------
+# -- (b) Hugging Face folder: the weights and the recorded config, for checkpoint/hf.py ------
 
 
-def _hf_config(entry: Mapping[str, Any]) -> tuple[Any, type | None]:
-    """Rebuild the PretrainedConfig; also return the model class if transformers has it."""
-    import transformers
-
-    arch = entry.get("architecture")
-    model_cls = getattr(transformers, arch, None) if isinstance(arch, str) else None
-    if not (isinstance(model_cls, type) and issubclass(model_cls, transformers.PreTrainedModel)):
-        model_cls = None  # a user subclass or remote code: rebuild the config from its model_type
-    cfg = dict(entry["config"])
-    if model_cls is not None:
-        config = model_cls.config_class.from_dict(cfg)
-        config.architectures = [arch]
-    else:
-        config = transformers.AutoConfig.for_model(**cfg)
-    return config, model_cls
-
-
-def _skeleton(model_cls: type | None, config: Any) -> Any:
-    """The model on the meta device (no memory): its keys, tied weights and generation config."""
-    if model_cls is None:
-        return None
-    try:
-        with torch.device("meta"):
-            return model_cls(config)
-    except Exception as err:  # an __init__ that computes on its weights: export without the checks
-        log.warning("could not build %s on the meta device (%s): exporting its weights unchecked", model_cls, err)
-        return None
-
-
-def _tied_aliases(skeleton: Any) -> set[str]:
-    """Keys that alias another key (tied weights): HF writes only the one it reloads."""
-    sd = skeleton.state_dict()
-    try:
-        from transformers.modeling_utils import remove_tied_weights_from_state_dict
-
-        return set(sd) - set(remove_tied_weights_from_state_dict(dict(sd), skeleton))
-    except ImportError:  # older transformers: keep the first name of each shared tensor
-        seen: set[int] = set()
-        aliases = set()
-        for name, t in skeleton.state_dict(keep_vars=True).items():
-            if id(t) in seen:
-                aliases.add(name)
-            seen.add(id(t))
-        return aliases
-
-
-def _weight_converter(skeleton: Any) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None:
-    """transformers >= 5 keeps some weights fused in memory (e.g. MoE experts) and splits them on save.
-
-    Returns the function that turns in-memory names and layouts back into the on-disk ones, or
-    None when the architecture has no such conversion (or transformers predates it).
-    """
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import PrefixChange, revert_weight_conversion
-    except ImportError:
-        return None
-    mapping = [m for m in get_model_conversion_mapping(skeleton, add_legacy=False) if not isinstance(m, PrefixChange)]
-    if not mapping:
-        return None
-    return lambda tensors: revert_weight_conversion(skeleton, tensors)
-
-
-def _plan_shards(sizes: list[tuple[str, int]], max_shard_bytes: int) -> list[list[str]]:
-    """Greedy, in key order (as HF does): a tensor bigger than the limit gets a shard of its own."""
-    shards: list[list[str]] = []
-    current: list[str] = []
-    current_bytes = 0
-    for name, nbytes in sizes:
-        if current and current_bytes + nbytes > max_shard_bytes:
-            shards.append(current)
-            current, current_bytes = [], 0
-        current.append(name)
-        current_bytes += nbytes
-    if current:
-        shards.append(current)
-    return shards
-
-
-def _check_keys(src: Any, entry: Mapping[str, Any], names: list[str], skeleton: Any) -> None:
-    expected = set(skeleton.state_dict())
-    missing = sorted(expected - set(names))
-    unexpected = sorted(set(names) - expected)
-    if not (missing or unexpected):
-        return
-    hint = ""
-    if any(".lora_" in n or ".base_layer." in n for n in unexpected):
-        hint = (
-            " The weights carry LoRA adapters: merge them before saving (peft's merge_and_unload), "
-            "or export the adapter with peft's save_pretrained."
-        )
-    raise ValueError(
-        f"{src.path}: the weights under {entry['prefix']!r} do not match {entry['architecture']}: "
-        f"missing {missing[:6]}, unexpected {unexpected[:6]}.{hint} Fix: export a checkpoint of an "
-        "unmodified transformers model, or consolidate without --hf to get a Lightning checkpoint."
-    )
-
-
-def _set_config_dtype(config: Any, dtype: torch.dtype) -> None:
-    # transformers 5 calls it `dtype`; 4.x `torch_dtype`
-    setattr(config, "dtype" if hasattr(config, "dtype") else "torch_dtype", dtype)
-
-
-def _export_hf_model(
-    src: ShardedCheckpoint | FullCheckpoint,
-    entry: Mapping[str, Any],
-    folder: Path,
-    dtype: torch.dtype | None,
-    max_shard_bytes: int,
-) -> None:
-    from safetensors.torch import save_file
-
+def _hf_model(src: ShardedCheckpoint | FullCheckpoint, entry: Mapping[str, Any]) -> HFModel:
+    """One recorded model (``hf_models`` in checkpoint/sharded.py), its weights read on demand."""
     prefix: str = entry["prefix"]
-    config, model_cls = _hf_config(entry)
-    skeleton = _skeleton(model_cls, config)
+    config, model_cls = config_from_record(entry.get("architecture"), entry["config"])
     keys = {fqn[len(prefix) :]: fqn for fqn in src.model_keys() if fqn.startswith(prefix)}
-    if skeleton is not None:
-        _check_keys(src, entry, list(keys), skeleton)
-        for alias in _tied_aliases(skeleton):
-            keys.pop(alias, None)
-    if not keys:
-        raise ValueError(f"{src.path}: no weights under the prefix {prefix!r} of {entry.get('architecture')}.")
-
-    specs = {name: src.model_spec(fqn) for name, fqn in keys.items()}
-    out_dtypes = {name: (dtype if dtype and dt.is_floating_point else dt) for name, (_, dt) in specs.items()}
-    float_dtypes = [dt for dt in out_dtypes.values() if dt.is_floating_point]
-    if float_dtypes:
-        _set_config_dtype(config, max(set(float_dtypes), key=float_dtypes.count))
-    sizes = [(name, specs[name][0].numel() * out_dtypes[name].itemsize) for name in keys]
-    shards = _plan_shards(sizes, max_shard_bytes)
-    convert = _weight_converter(skeleton) if skeleton is not None else None
-
-    folder.mkdir(parents=True, exist_ok=True)
-    if src.tokenizer_dir is not None and src.tokenizer_dir.is_dir():
-        # First, so that our config.json wins should the tokenizer folder hold one.
-        shutil.copytree(src.tokenizer_dir, folder, dirs_exist_ok=True)
-
-    weight_map: dict[str, str] = {}
-    exported = 0
-    for n, names in enumerate(shards, start=1):
-        filename = "model.safetensors" if len(shards) == 1 else f"model-{n:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {name: _cast(src.read_model(keys[name]), dtype) for name in names}
-        exported += len(tensors)
-        if convert is not None:
-            try:
-                tensors = convert(tensors)
-            except Exception as err:  # a conversion needs tensors that landed in another shard
-                raise RuntimeError(
-                    f"could not turn {entry['architecture']}'s fused weights back into their saved layout "
-                    f"shard by shard ({err}). Fix: raise --max-shard-size (max_shard_bytes)."
-                ) from err
-        save_file(tensors, str(folder / filename), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(tensors, filename))
-        log.info("wrote %s (%d tensors)", folder / filename, len(tensors))
-        del tensors  # at most one shard in memory
-    check_written(folder, f"weights of {entry.get('architecture')}", exported, len(keys))
-    if len(shards) > 1:
-        index = {"metadata": {"total_size": sum(b for _, b in sizes)}, "weight_map": dict(sorted(weight_map.items()))}
-        text = json.dumps(index, indent=2) + "\n"
-        (folder / "model.safetensors.index.json").write_text(text, encoding="utf-8")
-
-    config.save_pretrained(folder)
-    saved = entry.get("generation_config")  # the run's own, when the writer recorded it
-    if saved:
-        from transformers import GenerationConfig
-
-        GenerationConfig.from_dict(dict(saved)).save_pretrained(folder)
-    elif skeleton is not None and skeleton.can_generate():
-        skeleton.generation_config.save_pretrained(folder)
+    weights = WeightReader({name: src.model_spec(fqn) for name, fqn in keys.items()}, lambda n: src.read_model(keys[n]))
+    tokenizer = src.tokenizer_dir if src.tokenizer_dir is not None and src.tokenizer_dir.is_dir() else None
+    return HFModel(weights=weights, config=config, model_cls=model_cls, tokenizer=tokenizer,
+                   generation_config=entry.get("generation_config"),  # the run's own, when recorded
+                   source=f"{src.path} under the prefix {prefix!r}")
 
 
-def _write_hf(
-    src: ShardedCheckpoint | FullCheckpoint, out: Path, dtype: torch.dtype | None, max_shard_bytes: int
-) -> None:
+def _write_hf(src: ShardedCheckpoint | FullCheckpoint, out: Path, dtype: torch.dtype | None, max_shard_bytes: int,
+              overwrite: bool) -> None:
     entries = src.zeropp.get("hf") or []
     if not entries:
         if isinstance(src, FullCheckpoint) and not src.zeropp:
@@ -358,9 +194,9 @@ def _write_hf(
         )
     # One model: OUT is its folder. Several (e.g. PPO's actor and critic): one subfolder each,
     # named after the attribute path.
-    for entry in entries:
-        folder = out if len(entries) == 1 else out / (entry["prefix"].rstrip(".") or "model")
-        _export_hf_model(src, entry, folder, dtype, max_shard_bytes)
+    models = {entry["prefix"].rstrip(".") or "model": _hf_model(src, entry) for entry in entries}
+    one = next(iter(models.values())) if len(models) == 1 else models
+    write_hf(out, one, dtype=dtype, max_shard_bytes=max_shard_bytes, overwrite=overwrite)
 
 
 # -- the entry point ------------------------------------------------------------------------
@@ -377,13 +213,6 @@ def _dtype(value: torch.dtype | str | None) -> torch.dtype | None:
     if dt is not None and not dt.is_floating_point:
         raise ValueError(f"dtype={value!r} is invalid: weights are cast to a floating dtype. Fix: e.g. dtype='bf16'.")
     return dt
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
 
 
 def consolidate(
@@ -445,20 +274,11 @@ def consolidate(
             "consolidate. Fix: load it as it is, or pass --hf (hf=True) to export its Hugging Face model."
         )
 
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_name(f"{out_path.name}.tmp-{os.getpid()}")
-    _remove(tmp)
-    try:
-        if hf:
-            _write_hf(src, tmp, cast, max_shard_bytes)
-        else:
-            assert isinstance(src, ShardedCheckpoint)
-            (_write_lightning if src.front_end == LIGHTNING else _write_objects)(src, tmp, cast)
-        if out_path.exists() or out_path.is_symlink():
-            _remove(out_path)
-        os.replace(tmp, out_path)
-    finally:
-        _remove(tmp)
+    if hf:
+        _write_hf(src, out_path, cast, max_shard_bytes, overwrite)
+    else:
+        assert isinstance(src, ShardedCheckpoint)
+        (_write_lightning if src.front_end == LIGHTNING else _write_objects)(src, out_path, cast)
     return out_path
 
 

@@ -2,27 +2,29 @@
 
 Every function here is **collective**: each rank calls it; the parameters are gathered
 one tensor at a time (``engine.state.full_model_state``) and only rank 0 holds the whole
-model, on the CPU, and writes. The folder is written to a temporary sibling and renamed
-into place when complete, so an interrupted export never leaves half a model, and an
-existing folder of the same name is replaced only then.
+model, on the CPU. Rank 0 loads it into a CPU copy of the architecture (LoRA adapters
+merged into the base) and hands that to ``checkpoint.hf.write_hf``, the package's one
+Hugging Face exporter (``zeropp consolidate --hf`` uses it too): it checks the weights
+against the architecture, writes a temporary sibling, reads it back and renames it into
+place, replacing an existing folder of the same name only then. A failure on rank 0
+raises on every rank (``engine.core.agree``).
 
-- a causal LM (the SFT, DPO and PPO policies): ``save_pretrained`` output, LoRA adapters
-  merged into the base first; it loads with ``AutoModelForCausalLM.from_pretrained``;
-- a ``ScalarHeadModel`` (reward model, critic): the backbone's ``save_pretrained`` output
-  plus ``value_head.safetensors`` and ``reward_stats.json`` (the reward mean and std PPO
-  normalises with); it loads with ``ScalarHeadModel.from_pretrained``.
+- a causal LM (the SFT, DPO and PPO policies): it loads with
+  ``AutoModelForCausalLM.from_pretrained``;
+- a ``ScalarHeadModel`` (reward model, critic): the backbone's folder plus
+  ``value_head.safetensors`` and ``reward_stats.json`` (the reward mean and std PPO
+  normalises with); it loads with ``ScalarHeadModel(folder)``.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 from torch import nn
 
-from zeropp_strategy.checkpoint.atomic import new_nonce, publish, remove_stale, tmp_sibling
+from zeropp_strategy.checkpoint.hf import HFModel, write_hf
 from zeropp_strategy.engine.core import agree
 from zeropp_strategy.engine.state import full_model_state
 from zeropp_strategy.rlhf.models import HEAD_FILE, STATS_FILE, merged
@@ -64,16 +66,10 @@ def _load(skeleton: nn.Module, state: dict[str, Any]) -> nn.Module:
     return skeleton
 
 
-def _write(directory: str | Path, fill: Any) -> None:
-    """Rank 0: ``fill(tmp)`` writes into a temporary sibling, which then replaces ``directory``."""
-    path = Path(directory)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale(path)
-    nonce = new_nonce()
-    tmp = tmp_sibling(path, nonce)
-    tmp.mkdir()
-    fill(tmp)
-    publish(tmp, path, nonce)
+def _hf_model(plain: nn.Module, **extra: Any) -> HFModel:
+    """A plain transformers model (adapters merged) as what ``write_hf`` writes."""
+    return HFModel(weights=plain.state_dict(), config=plain.config, model_cls=type(plain),
+                   source="the gathered state", **extra)
 
 
 def export_causal_lm(model: nn.Module, directory: str | Path, *, tokenizer: Any = None) -> None:
@@ -86,16 +82,8 @@ def export_causal_lm(model: nn.Module, directory: str | Path, *, tokenizer: Any 
 
 def _write_causal_lm(model: nn.Module, state: dict[str, Any], directory: str | Path, tokenizer: Any) -> None:
     plain = merged(_load(_skeleton(model), state))
-    generation = getattr(model, "generation_config", None)
-    if generation is not None:
-        plain.generation_config = generation
-
-    def fill(tmp: Path) -> None:
-        plain.save_pretrained(str(tmp))
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp))
-
-    _write(directory, fill)
+    generation = getattr(model, "generation_config", None)  # the run's own, not the class default
+    write_hf(directory, _hf_model(plain, tokenizer=tokenizer, generation_config=generation), overwrite=True)
 
 
 def export_scalar_model(
@@ -110,17 +98,8 @@ def export_scalar_model(
 
 def _write_scalar_model(model: nn.Module, state: dict[str, Any], directory: str | Path, tokenizer: Any,
                         stats: dict[str, float] | None) -> None:
-    from safetensors.torch import save_file
-
     backbone_state = {k[len("backbone."):]: v for k, v in state.items() if k.startswith("backbone.")}
     backbone = merged(_load(_skeleton(model.backbone), backbone_state))
-    head = {"weight": state["head.weight"].contiguous()}
-
-    def fill(tmp: Path) -> None:
-        backbone.save_pretrained(str(tmp))
-        save_file(head, str(tmp / HEAD_FILE))
-        (tmp / STATS_FILE).write_text(json.dumps(stats or {"mean": 0.0, "std": 1.0}) + "\n")
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp))
-
-    _write(directory, fill)
+    folder = _hf_model(backbone, tokenizer=tokenizer, extra_tensors={HEAD_FILE: {"weight": state["head.weight"]}},
+                       extra_json={STATS_FILE: stats or {"mean": 0.0, "std": 1.0}})
+    write_hf(directory, folder, overwrite=True)
