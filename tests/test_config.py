@@ -494,6 +494,7 @@ _FIELD_VALUES = {
     "quantized_gradients_on_single_node": _mostly(st.booleans()),
     "quantize_min_elems": _mostly(st.integers(-2, 10**6)),
     "quantize_frozen_weights": _mostly(st.booleans()),
+    "frozen_weight_bits": _mostly(st.sampled_from([2, 4, 8, 16])),
     "offload_optimizer": _offload,
     "offload_param": _offload,
     "wrap_modules": _mostly(st.one_of(_names, _names.map(tuple), st.sampled_from(["GPT2Block", LlamaDecoderLayer]))),
@@ -579,3 +580,21 @@ def test_coerce_accepts_every_config_form(tmp_path):
     assert ZeroConfig.coerce(cfg) is cfg
     with pytest.raises(TypeError, match=r"Front\(config\)=42 is invalid.*Fix: pass a ZeroConfig"):
         ZeroConfig.coerce(42, where="Front(config)")
+
+
+@pytest.mark.parametrize("value,exc", [(2, ValueError), (16, ValueError), (0, ValueError), (True, TypeError),
+                                       ("4", TypeError), (4.0, TypeError)])
+def test_frozen_weight_bits_is_4_or_8(value, exc):
+    assert ZeroConfig().frozen_weight_bits == 8
+    assert ZeroConfig(quantize_frozen_weights=True, frozen_weight_bits=4).frozen_weight_bits == 4
+    with pytest.raises(exc, match=rf"ZeroConfig.frozen_weight_bits={value!r} is invalid.*Fix: use 8 .* or 4"):
+        ZeroConfig(frozen_weight_bits=value)
+
+
+def test_frozen_weight_bits_from_yaml_and_deepspeed(tmp_path):
+    path = tmp_path / "z.yaml"
+    path.write_text("zero:\n  quantize_frozen_weights: true\n  frozen_weight_bits: 4\n")
+    assert ZeroConfig.coerce(path) == ZeroConfig(quantize_frozen_weights=True, frozen_weight_bits=4)
+    # DeepSpeed has no key for the width (its nontrainable weights are int8): 8, or set it after.
+    ds = ZeroConfig.from_deepspeed({"zero_optimization": {"stage": 3, "zero_quantized_nontrainable_weights": True}})
+    assert ds.frozen_weight_bits == 8 and ds.replace(frozen_weight_bits=4).frozen_weight_bits == 4

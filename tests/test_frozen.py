@@ -1,9 +1,10 @@
-"""``quantize_frozen_weights``: frozen shards stored as int8 (engine/frozen.py).
+"""``quantize_frozen_weights``: frozen shards stored as int8 or int4 (engine/frozen.py).
 
-Unit checks of ``Int8Weight`` in one process, then one 2-rank spawn that trains a
-frozen-base model with hand-made LoRA adapters at stage 3 and compares it with DDP on
-the same model whose frozen weights were quantized and dequantized up front (the
-weights stage 3 computes with): the adapters must train to the same values.
+Unit checks of ``QuantizedWeight`` (``Int8Weight``) in one process, then one 2-rank spawn
+per code width (``frozen_weight_bits`` 8 and 4) that trains a frozen-base model with
+hand-made LoRA adapters at stage 3 and compares it with DDP on the same model whose
+frozen weights were quantized and dequantized up front (the weights stage 3 computes
+with): the adapters must train to the same values.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from tests._dist import run_ranks
 from zeropp_strategy import kernels
 from zeropp_strategy.engine.frozen import (
     Int8Weight,
+    QuantizedWeight,
+    code_bytes_per_row,
     dequantize_rows,
     frozen_int8_candidates,
     quantize_frozen,
@@ -142,7 +145,7 @@ def _full_state(trainer, module):
     return {k: v.detach().clone() for k, v in sd.items()}
 
 
-def _worker(rank, world, tmp):
+def _worker(rank, world, tmp, bits=8):
     import os
 
     from lightning.pytorch import Trainer, seed_everything
@@ -160,11 +163,11 @@ def _worker(rank, world, tmp):
             with torch.no_grad():
                 for p in self.net.parameters():
                     if not p.requires_grad and p.dim() >= 2:
-                        p.copy_(dequantize_rows(*quantize_rows(p, B), B, p.dtype).view_as(p))
+                        p.copy_(dequantize_rows(*quantize_rows(p, B, bits), B, p.dtype, bits=bits).view_as(p))
 
     def strategy(**kw):
-        return ZeroPPStrategy(stage=3, quantize_frozen_weights=True, weight_quant_block_elems=B,
-                              quantize_min_elems=0, **kw)
+        return ZeroPPStrategy(stage=3, quantize_frozen_weights=True, frozen_weight_bits=bits,
+                              weight_quant_block_elems=B, quantize_min_elems=0, **kw)
 
     out = {}
     seed_everything(0)
@@ -186,9 +189,14 @@ def _worker(rank, world, tmp):
         "max_diff": max((got[k].float() - ref[k].float()).abs().max().item() for k in ref),
         "int8": sorted(int8),
         "storage_ok": all(
-            q.storage_bytes == (p.shape[0] // world) * (p[0].numel() + 4 * -(-p[0].numel() // B))
+            q.storage_bytes
+            == (p.shape[0] // world) * (code_bytes_per_row(p[0].numel(), bits) + 4 * -(-p[0].numel() // B))
             for n, q in int8.items() for p in [dict(m.named_parameters())[n]]
         ),
+        "layout": sorted({(q.bits, str(q.codes.dtype)) for q in int8.values()}),
+        # per rank: half a byte per element at 4 bits (every row here has an even C) + 4 bytes per block
+        "rank_bytes": (sum(q.storage_bytes for q in int8.values()),
+                       sum(q.numel() * bits // 8 + 4 * q.scales.numel() for q in int8.values())),
         "memory_formula": (stats.param_bytes, stats.predicted_param_bytes),
     }
 
@@ -245,6 +253,25 @@ def _worker(rank, world, tmp):
         "finite": bool(torch.isfinite(t4.callback_metrics["train_loss"])),
         "no_meta": not any(p.to_local().is_meta for p in m4.parameters()),
     }
+
+    # An odd row (21 elements: not a multiple of the block, nor of 2) through FSDP2's gather.
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(3)
+    odd = nn.Linear(21, 6, bias=False).requires_grad_(False)
+    expect = dequantize_rows(*quantize_rows(odd.weight, B, bits), B, torch.float32, bits=bits, row_elems=21)
+    quantize_frozen(odd, shard_world_size=world, block_elems=B, min_elems=0, bits=bits)
+    fully_shard(odd, mesh=init_device_mesh("cpu", (world,)))
+    x = torch.randn(4, 21)
+    shard = odd.weight.to_local()
+    out["odd"] = {
+        "codes_shape": tuple(shard.codes.shape),
+        "storage_bytes": shard.storage_bytes,
+        "full_equal": torch.equal(odd.weight.full_tensor(), expect),
+        "forward_diff": (odd(x) - x @ expect.T).abs().max().item(),  # the root keeps its gathered weight
+    }
     return out
 
 
@@ -282,3 +309,133 @@ def test_checkpoints_restore_the_same_codes(runs):
 def test_meta_init_quantizes_after_materializing(runs):
     for r in runs:
         assert r["meta"] == {"int8": 5, "finite": True, "no_meta": True}
+
+
+# -- int4 (frozen_weight_bits=4) -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(6, 100), (5, 3, 7), (64, 32), (1, 1), (4, 33)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_rows_pack_two_codes_per_byte_within_the_bound(shape, dtype):
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(shape, generator=g) * 3).to(dtype)
+    codes, scales = quantize_rows(x, B, 4)
+    rows, cols = shape[0], x.numel() // shape[0]
+    nb = -(-cols // B)
+    assert codes.shape == (rows, -(-cols // 2)) and codes.dtype == torch.uint8
+    assert scales.shape == (rows, nb) and scales.dtype == torch.float32
+    for r in range(rows):  # each row: the flat int4 kernel on the zero-padded row, cut to its bytes
+        padded = torch.nn.functional.pad(x.reshape(rows, cols)[r].float(), (0, nb * B - cols))
+        c_ref, s_ref = kernels.quantize(padded, B, 4)
+        assert torch.equal(codes[r], c_ref[: -(-cols // 2)]) and torch.equal(scales[r], s_ref)
+    # Error bound: half a step, absmax(block) / 14, plus the output dtype's rounding.
+    back = dequantize_rows(codes, scales, B, torch.float32, bits=4, row_elems=cols)
+    dense = x.float().reshape(rows, cols)
+    absmax = dense.abs().reshape(rows, -1)
+    step = scales.repeat_interleave(B, dim=1)[:, :cols]
+    assert torch.allclose(step * 7, torch.nn.functional.pad(absmax, (0, nb * B - cols)).view(rows, nb, B)
+                          .amax(-1).repeat_interleave(B, dim=1)[:, :cols])
+    assert ((back - dense).abs() <= step / 2 + 1e-7).all()
+    assert torch.equal(QuantizedWeight.from_dense(x, B, 4).dequantize(torch.float32), back.view(shape))
+
+
+@pytest.mark.parametrize("shape", [(512, 1024), (6, 100), (4, 33), (5, 3, 7)])
+def test_int4_storage_bytes_exact(shape):
+    x = torch.randn(shape, dtype=torch.bfloat16)
+    rows, cols = shape[0], x.numel() // shape[0]
+    w4 = QuantizedWeight.from_dense(x, 256, 4)
+    w8 = QuantizedWeight.from_dense(x, 256, 8)
+    blocks = rows * -(-cols // 256)
+    assert w4.storage_bytes == rows * -(-cols // 2) + 4 * blocks  # ceil(C/2) code bytes per row + fp32 scales
+    assert w8.storage_bytes == rows * cols + 4 * blocks
+    if shape == (512, 1024):  # even rows: numel / 2 exactly; 0.5 + 4/256 bytes per element vs bf16's 2
+        assert w4.storage_bytes == x.numel() // 2 + 4 * x.numel() // 256
+        assert 0.25 <= w4.storage_bytes / (x.numel() * 2) <= 0.26
+
+
+def test_int4_weight_behaves_like_its_dense_values():
+    x = torch.randn(8, 41)  # odd rows of codes: the last byte of each row holds one code
+    w = QuantizedWeight.from_dense(x, B, 4)
+    dense = w.dequantize()
+    assert repr(w) == "QuantizedWeight(shape=(8, 41), dtype=torch.float32, bits=4, block_elems=32)"
+    assert Int8Weight is QuantizedWeight and w.shape == x.shape and not w.requires_grad
+    parts = torch.chunk(w, 4, dim=0)
+    assert all(isinstance(p, QuantizedWeight) and p.bits == 4 for p in parts)
+    assert torch.equal(torch.cat([p.dequantize() for p in parts]), dense)
+    flat = w.view(-1)
+    assert flat.shape == (328,) and torch.equal(flat.dequantize(), dense.view(-1))
+    assert torch.equal(w @ torch.eye(41), dense) and torch.equal(w.clone(), dense)
+    like = torch.empty_like(w)
+    assert isinstance(like, QuantizedWeight) and like.bits == 4 and like.codes.shape == (8, 21)
+    zeros = w.new_zeros((8, 41))
+    assert isinstance(zeros, QuantizedWeight) and zeros.bits == 4 and not zeros.dequantize().any()
+
+
+def test_int4_writes_requantize_and_reloading_keeps_codes():
+    x = torch.randn(8, 41)
+    w = QuantizedWeight.from_dense(x, B, 4)
+    codes, scales = w.codes.clone(), w.scales.clone()
+    w.copy_(w.dequantize())  # what a checkpoint holds, loaded back
+    assert torch.equal(w.codes, codes)
+    assert ((w.scales - scales).abs() <= torch.finfo(torch.float32).eps * scales.abs()).all()
+    y = torch.randn(8, 41)
+    w.copy_(y)
+    assert torch.equal(w.codes, quantize_rows(y, B, 4)[0])
+    w8 = QuantizedWeight.from_dense(y, B, 8)
+    w.copy_(w8)  # a different width: through the dense values
+    assert torch.equal(w.codes, quantize_rows(w8.dequantize(), B, 4)[0])
+
+
+def test_bad_bits_raise_before_any_replacement():
+    from torch import nn
+
+    m = nn.Linear(32, 64).requires_grad_(False)
+    with pytest.raises(ValueError, match=r"bits=3 .*Fix: use 8 or 4"):
+        quantize_frozen(m, shard_world_size=1, block_elems=B, min_elems=0, bits=3)
+    assert type(m.weight.data) is torch.Tensor
+    with torch.device("meta"):
+        meta = nn.Linear(32, 64).requires_grad_(False)
+    names, _ = quantize_frozen(meta, shard_world_size=1, block_elems=B, min_elems=0, bits=4)
+    assert names == ["weight"] and meta.weight.data.codes.shape == (64, 16) and meta.weight.data.codes.is_meta
+
+
+@pytest.fixture(scope="module")
+def runs_int4(tmp_path_factory):
+    return run_ranks(_worker, 2, (str(tmp_path_factory.mktemp("frozen4")), 4), timeout_s=300)
+
+
+def test_stage3_with_int4_frozen_trains_like_ddp_on_the_dequantized_model(runs_int4):
+    for r in runs_int4:
+        p = r["parity"]
+        assert p["keys"] and p["layout"] == [(4, "torch.uint8")]
+        assert p["max_diff"] <= 1e-6, p["max_diff"]
+        assert p["int8"] == ["net.blocks.0.down.weight", "net.blocks.0.up.weight", "net.blocks.1.down.weight",
+                             "net.blocks.1.up.weight", "net.embed.weight"]
+
+
+def test_int4_frozen_storage_bytes_and_memory_formula(runs_int4, runs):
+    for r4, r8 in zip(runs_int4, runs):
+        assert r4["parity"]["storage_ok"]
+        held, expected = r4["parity"]["rank_bytes"]
+        assert held == expected, (held, expected)
+        assert r4["parity"]["memory_formula"][0] == r4["parity"]["memory_formula"][1]
+        assert r4["parity"]["memory_formula"][0] < r8["parity"]["memory_formula"][0]
+
+
+def test_int4_checkpoints_restore_the_same_codes(runs_int4):
+    for r in runs_int4:
+        res = r["resume"]
+        assert res["codes_equal"] and res["dense_equal"] and res["scale_ulps"] <= 1.0, res
+        assert r["full_resume_codes_equal"]
+    full = runs_int4[0]["full"]
+    assert full["plain"] and full["max_diff"] <= 1e-6, full
+    for r in runs_int4:
+        assert r["meta"] == {"int8": 5, "finite": True, "no_meta": True}
+
+
+def test_odd_rows_gather_through_fsdp2(runs_int4, runs):
+    for r, bits in [(r, 4) for r in runs_int4] + [(r, 8) for r in runs]:
+        odd = r["odd"]
+        assert odd["codes_shape"] == (3, 11 if bits == 4 else 21)  # 6 rows over 2 ranks
+        assert odd["storage_bytes"] == 3 * (odd["codes_shape"][1] + 4)
+        assert odd["full_equal"] and odd["forward_diff"] <= 1e-6, odd

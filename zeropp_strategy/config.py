@@ -215,7 +215,13 @@ class ZeroConfig:
     quantize_min_elems: int = 4096
     """Tensors with fewer elements than this use the plain collective (>= 0)."""
     quantize_frozen_weights: bool = False
-    """Store the shards of frozen (requires_grad=False) parameters as int8. Stage 3 only."""
+    """Store the shards of frozen (requires_grad=False) parameters as int8, or int4 with
+    ``frozen_weight_bits=4``. Stage 3 only."""
+    frozen_weight_bits: int = 8
+    """Bits per stored code of ``quantize_frozen_weights``: 8, or 4 (two codes per byte: about
+    half the bytes of int8, a rounding step 127/7 = 18x coarser). One fp32 scale per block of
+    ``weight_quant_block_elems`` within a row either way. No effect without
+    ``quantize_frozen_weights``."""
     offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
     """Optimizer state and fp32 master weights: device memory, CPU or NVMe. Any stage.
     Also accepts a dict of OffloadConfig fields, or a device string such as "cpu"."""
@@ -277,10 +283,10 @@ class ZeroConfig:
             put(name, _at_least(f"{w}.{name}", getattr(self, name), low, fix))
         for name in ("weight_quant_block_elems", "gradient_quant_block_elems"):
             put(name, _block_elems(f"{w}.{name}", getattr(self, name)))
-        if _int(f"{w}.gradient_quant_bits", self.gradient_quant_bits, "use 4 or 8") not in (4, 8):
-            _invalid(f"{w}.gradient_quant_bits", self.gradient_quant_bits, "must be 4 or 8",
-                     "use 4 (least traffic) or 8 (more precise)")
-        put("gradient_quant_bits", int(self.gradient_quant_bits))
+        for name, fix in _BITS_FIELDS.items():
+            if _int(f"{w}.{name}", getattr(self, name), fix) not in (4, 8):
+                _invalid(f"{w}.{name}", getattr(self, name), "must be 4 or 8", fix)
+            put(name, int(getattr(self, name)))
         put("peer_timeout", _seconds(f"{w}.peer_timeout", self.peer_timeout,
                                      "use seconds >= 0, e.g. peer_timeout=60 (0 turns the watchdog off)"))
         sdt, sdt_fix = self.state_dict_type, "use 'sharded' (a file per rank), 'full' (one file) or None (stage default)"
@@ -434,6 +440,10 @@ class ZeroConfig:
 _FIELDS = tuple(f.name for f in dataclasses.fields(ZeroConfig))
 _BOOL_FIELDS = ("quantized_weights", "quantized_gradients", "quantized_gradients_on_single_node",
                 "quantize_frozen_weights", "activation_checkpointing")
+_BITS_FIELDS = {  # field (4 or 8) -> fix
+    "gradient_quant_bits": "use 4 (least traffic) or 8 (more precise)",
+    "frozen_weight_bits": "use 8 (int8, the default) or 4 (int4: half the bytes, a coarser step)",
+}
 _INT_MINIMUMS = {  # field -> (smallest valid value, fix)
     "hpz_partition_size": (0, "use 1 to turn hpZ off, 0 for ranks per node, or the number of ranks per node"),
     "quantize_min_elems": (0, "use 0 to quantize every tensor, or e.g. 4096"),

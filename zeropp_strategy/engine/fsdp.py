@@ -3,8 +3,8 @@
 Applied in this fixed order (torchtitan's rule: each step assumes the previous ones):
 1. choose blocks (``engine.wrap``);
 2. activation checkpointing on the blocks, if asked (must precede ``fully_shard``);
-3. frozen weights to int8 storage, if asked (``quantize_frozen_weights``: FSDP2 must
-   shard the int8 form, see [Note: frozen int8 storage] in engine/frozen.py);
+3. frozen weights to int8/int4 storage, if asked (``quantize_frozen_weights``: FSDP2 must
+   shard the quantized form, see [Note: frozen weight storage] in engine/frozen.py);
 4. ``fully_shard`` each block, bottom-up, then the root;
 5. install our comm objects on every FSDP group, so that the CommLedger sees every
    byte and ZeRO++ can replace the collectives;
@@ -40,6 +40,7 @@ from zeropp_strategy.comm.ledger import CommLedger
 from zeropp_strategy.config import ZeroConfig
 from zeropp_strategy.engine.frozen import int8_weights, quantize_frozen
 from zeropp_strategy.engine.wrap import apply_activation_checkpointing, select_blocks
+from zeropp_strategy.fsdp_private import set_unshard_async
 
 log = logging.getLogger(__name__)
 
@@ -161,19 +162,20 @@ def shard_module(
     # all-reduces their gradients (see replicated_params).
     ignored = set(replicated_params(root))
     if config.quantize_frozen_weights:
+        bits = config.frozen_weight_bits
         quantized, dense = quantize_frozen(
             root, shard_world_size=mesh.size(), block_elems=config.weight_quant_block_elems,
-            min_elems=config.quantize_min_elems,
+            min_elems=config.quantize_min_elems, bits=bits,
         )
-        log.info("zeropp: %d frozen weights stored as int8 shards", len(quantized))
+        log.info("zeropp: %d frozen weights stored as int%d shards", len(quantized), bits)
         if dense:
-            log.info("zeropp: frozen weights kept dense (FSDP2 cannot pad int8 shards): %s", "; ".join(dense))
+            log.info("zeropp: frozen weights kept dense (FSDP2 cannot pad int%d shards): %s", bits, "; ".join(dense))
     offload = offload_policy(config)
     hpz_off: list[str] = []
     for block in blocks:
         block_raf = reshard_after_forward
         if not isinstance(block_raf, bool) and int8_weights(block.parameters()):
-            # FSDP2 keeps no secondary shard of extension tensors: see [Note: frozen int8 storage].
+            # FSDP2 keeps no secondary shard of extension tensors: see [Note: frozen weight storage].
             block_raf = True
             hpz_off.append(type(block).__name__)
         fully_shard(block, mesh=mesh, reshard_after_forward=block_raf, mp_policy=mp_policy, ignored_params=ignored,
@@ -211,7 +213,7 @@ def set_prefetch(root: nn.Module, blocks: list[nn.Module]) -> None:
     FSDP2 issues a block's all-gather from its pre-forward hook. On CUDA its own streams
     overlap that gather with the previous block's compute; on the host there are no
     streams, so by default every gather runs inline and nothing overlaps. With
-    ``async_op`` unshards (FSDP2's ``_set_unshard_async_op``) the comm object returns
+    ``async_op`` unshards (``fsdp_private.set_unshard_async``) the comm object returns
     a pending work ([Note: pending work] in comm/hierarchical.py) that FSDP2 waits on right
     before the block needs its parameters, and gloo moves the bytes on its own threads
     meanwhile. The explicit forward prefetch (block k of a chain of sibling blocks,
@@ -224,8 +226,7 @@ def set_prefetch(root: nn.Module, blocks: list[nn.Module]) -> None:
     """
     if not isinstance(root, FSDPModule):
         return
-    if hasattr(root, "_set_unshard_async_op"):  # private in torch 2.9-2.13; without it, gathers stay inline
-        root._set_unshard_async_op(True)
+    set_unshard_async(root)  # without it (a torch lacking the private switch) gathers stay inline
     chains = sibling_blocks(root, blocks)
     if len(chains) == 1:  # one model: its first blocks can be gathered while the root's part computes
         root.set_modules_to_forward_prefetch(chains[0][:FORWARD_PREFETCH_BLOCKS])
