@@ -66,11 +66,9 @@ def _world() -> tuple[int, int]:
 def _gather(value: Any, world: int) -> list[Any]:
     if world == 1:
         return [value]
-    import torch.distributed as dist
+    from zeropp_strategy.comm.control import all_gather_object
 
-    out: list[Any] = [None] * world
-    dist.all_gather_object(out, value)
-    return out
+    return all_gather_object(value)
 
 
 def _owner(name: str, world: int) -> int:
@@ -110,9 +108,9 @@ def rank_zero_writes(what: str, write: Callable[[], Any]) -> None:
             error = err
     message = [_one_line(str(error) or type(error).__name__) if error is not None else None]
     if world > 1:
-        import torch.distributed as dist
+        from zeropp_strategy.comm.control import broadcast_object
 
-        dist.broadcast_object_list(message, 0)
+        message = [broadcast_object(message[0], 0)]
     if error is not None:
         raise error
     if message[0] is not None:

@@ -56,6 +56,9 @@ class CommKind(str, Enum):
     PARAM_UPDATE = "param_update_allgather"
     """Stage 1: the updated parameter shards gathered after ``optimizer.step``."""
     GRAD_REDUCE = "grad_reduce"
+    CONTROL = "control"
+    """Votes, flags, object exchanges, broadcasts of settings and barriers
+    (``comm.control``): small, but every byte is counted."""
     OTHER = "other"
 
 
@@ -115,6 +118,7 @@ class CommLedger:
         self._lock = threading.Lock()
         self._phase = Phase.FORWARD
         self._totals: dict[CommKind, CommTotals] = {}
+        self._trace: list[tuple[str, int, int]] | None = None  # see trace()
 
     # -- phase ------------------------------------------------------------------------
 
@@ -158,6 +162,24 @@ class CommLedger:
         booked = CommTotals(intra, inter, 1, base_intra, base_inter)
         with self._lock:
             self._totals[kind] = self._totals.get(kind, CommTotals()) + booked
+            if self._trace is not None:
+                self._trace.append((kind.value, intra, inter))
+
+    @contextmanager
+    def trace(self) -> Iterator[list[tuple[str, int, int]]]:
+        """Within the block, also list every booked call in the order booked:
+        ``(kind, intra bytes, inter bytes)``. For tests and debugging (which collectives
+        one step runs); not nestable."""
+        with self._lock:
+            if self._trace is not None:
+                raise RuntimeError("CommLedger.trace() is already active; it does not nest.")
+            calls: list[tuple[str, int, int]] = []
+            self._trace = calls
+        try:
+            yield calls
+        finally:
+            with self._lock:
+                self._trace = None
 
     def _split(self, bytes_to_rank: Mapping[int, int]) -> tuple[int, int]:
         topo = self.topology

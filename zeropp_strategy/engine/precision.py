@@ -37,8 +37,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from zeropp_strategy.comm.collectives import all_reduce
-from zeropp_strategy.comm.ledger import CommKind
+from zeropp_strategy.comm.control import all_reduce_flag
 from zeropp_strategy.engine.dtensor import local as _local
 from zeropp_strategy.engine.stage1 import ShardedOptimizer, row_range
 
@@ -73,12 +72,9 @@ def local_grads(optimizer: Optimizer) -> list[Tensor]:
 
 
 def _reduce(t: Tensor, op: dist.ReduceOp, group: Any, ledger: Any = None) -> Tensor:
-    """All-reduce a scalar, booked as OTHER when a ledger is given (4 bytes to each peer... see ledger)."""
+    """All-reduce a scalar (a norm, an inf flag), booked as CONTROL (``comm.control``)."""
     if dist.is_available() and dist.is_initialized():
-        if ledger is not None:
-            all_reduce(t, ledger=ledger, kind=CommKind.OTHER, group=group, op=op)
-        else:
-            dist.all_reduce(t, op=op, group=group)
+        all_reduce_flag(t, op=op, ledger=ledger, group=group)
     return t
 
 

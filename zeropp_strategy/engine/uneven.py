@@ -29,6 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zeropp_strategy.comm.control import book_control_all_gather, broadcast_object
+
 
 class EvenBatches:
     """Iterate ``loader`` so that every rank yields the same number of batches.
@@ -76,6 +78,7 @@ class EvenBatches:
             return [values]
         t = torch.tensor(values, dtype=torch.int64, device=self.device)
         out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+        book_control_all_gather(t)  # a vote: booked in the running session's ledger
         dist.all_gather(out, t)
         return [row.tolist() for row in out]
 
@@ -103,10 +106,9 @@ class EvenBatches:
             if any(not row[0] and not row[1] for row in rows):
                 # some rank has never had a batch: the lowest rank with one lends it
                 lender = next(r for r, row in enumerate(rows) if row[0])
-                box = [batch if have else None]
-                dist.broadcast_object_list(box, src=lender)
+                lent = broadcast_object(batch if have else None, src=lender)
                 if not has_last and not have:
-                    last, has_last = box[0], True
+                    last, has_last = lent, True
             if have:
                 count += 1
                 last, has_last = batch, True

@@ -1,0 +1,123 @@
+"""Layer: engine (runtime). The process group: which backend, the per-attempt store of
+torchrun restarts, the checks that must pass on every rank before the first collective,
+and a clean teardown at exit. ``ZeroSession.start`` calls ``connect``; every front-end
+reaches the process group through it (Lightning and Fabric hand it their cluster
+environment's init function; Accelerate creates its group itself and we adopt it).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
+
+from zeropp_strategy.config import ZeroConfig
+
+__all__ = ["attempt_store", "check_offload_paths", "connect", "default_backend", "destroy_at_exit",
+           "restarted_under_torchrun"]
+
+
+def default_backend(config: ZeroConfig, device: torch.device) -> str:
+    """NCCL for accelerator tensors; with offload, also gloo for the host tensors that
+    offloaded shards produce (full-format saves gather host-resident DTensors, clipping
+    reduces norms of host grads): c10d picks the backend by each tensor's device."""
+    if device.type == "cpu":
+        return "gloo"
+    backend = "nccl" if device.type == "cuda" else dist.Backend.default_device_backend_map.get(device.type, "gloo")
+    offload = config.offload_optimizer.device != "none" or config.offload_param.device != "none"
+    if backend == "nccl" and offload:
+        return "cpu:gloo,cuda:nccl"
+    return backend
+
+
+def restarted_under_torchrun() -> bool:
+    """Whether this process runs under a torchrun agent whose store survives restarts (the
+    case ``attempt_store`` exists for)."""
+    return (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            and os.environ.get("TORCHELASTIC_RESTART_COUNT") is not None)
+
+
+def attempt_store(timeout: timedelta | None) -> dist.Store | None:
+    """Under torchrun, the agent's store with a key prefix per restart attempt; None elsewhere.
+
+    torchrun ``--max-restarts`` keeps its agent's store across attempts, and (torch 2.13)
+    the default process group of a restarted attempt reads the rendezvous keys the failed
+    attempt left there: gloo then connects to the dead workers' addresses and every restart
+    fails with "Gloo connectFullMesh failed ... Connection refused". A prefix per attempt
+    (``TORCHELASTIC_RESTART_COUNT``) gives each attempt clean keys.
+    """
+    if not restarted_under_torchrun():
+        return None
+    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timeout or default_pg_timeout)
+    return dist.PrefixStore(f"zeropp/attempt_{attempt}", store)
+
+
+def check_offload_paths(config: ZeroConfig) -> None:
+    """A missing or read-only nvme_path fails here, on every rank, before any collective."""
+    from zeropp_strategy.offload.swap import check_swap_root
+
+    for name in ("offload_optimizer", "offload_param"):
+        block = getattr(config, name)
+        if block.device == "nvme":
+            check_swap_root(block.nvme_path, name)
+
+
+_EXIT_HOOK_INSTALLED = False
+
+
+def destroy_at_exit() -> None:
+    """Destroy the process groups when the interpreter exits, once per process.
+
+    A gloo process group still alive when the interpreter tears down can abort the process
+    ("terminate called without an active exception") after training finished, which torchrun
+    then reports as a failed job; seen on one rank in about one run in ten with qgZ's
+    intra/inter-node subgroups. Destroying them first, while Python is still whole, joins
+    gloo's threads cleanly. Local only (no collective): by exit every collective is done.
+    """
+    global _EXIT_HOOK_INSTALLED
+    if _EXIT_HOOK_INSTALLED:
+        return
+    _EXIT_HOOK_INSTALLED = True
+
+    def destroy() -> None:
+        if dist.is_available() and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - best effort at exit; never mask the real exit status
+                pass
+
+    atexit.register(destroy)
+
+
+def connect(
+    config: ZeroConfig,
+    device: torch.device,
+    init: Callable[..., None],
+    *,
+    backend: str | None = None,
+    timeout: timedelta | None = None,
+) -> str:
+    """Create the default process group through the front-end's ``init(backend, **kwargs)``
+    and return the backend used (``backend`` or ``default_backend``). kwargs: ``timeout``,
+    ``device_id`` on accelerators, and under torchrun the per-attempt ``store``. An existing
+    group is adopted as it is."""
+    backend = backend or default_backend(config, device)
+    if dist.is_available() and dist.is_initialized():
+        return backend
+    kwargs: dict[str, Any] = {"timeout": timeout}
+    if device.type != "cpu":
+        kwargs["device_id"] = device
+    store = attempt_store(timeout)
+    if store is not None:
+        kwargs["store"] = store
+    init(backend, **kwargs)
+    destroy_at_exit()
+    return backend
