@@ -31,11 +31,13 @@ import importlib.util
 import sys
 from types import ModuleType
 
-_MIRRORED = ("precision", "strategy")
+_MIRRORED = ("precision", "resume", "evaluation", "strategy")  # in dependency order
 _SWAPS = (
     ("lightning.pytorch", "pytorch_lightning"),
     ("lightning.fabric", "lightning_fabric"),
     ("zeropp_strategy.precision", "zeropp_strategy._pl_precision"),
+    ("zeropp_strategy.resume", "zeropp_strategy._pl_resume"),
+    ("zeropp_strategy.evaluation", "zeropp_strategy._pl_evaluation"),
 )
 
 

@@ -1,4 +1,5 @@
-"""``ZeroPPFabricStrategy``: the same ZeRO engine under Lightning Fabric.
+"""Layer: front-end (Fabric). ``ZeroPPFabricStrategy``: the same ZeRO session under
+Lightning Fabric.
 
     fabric = Fabric(strategy="zeropp_stage_3", accelerator="cuda", devices=8)
     fabric.launch()
@@ -7,20 +8,19 @@
     optimizer = torch.optim.AdamW(model.parameters())  # before or after setup: both work
     model, optimizer = fabric.setup(model, optimizer)
 
-What each hook does is ``engine.core.ZeroEngine``'s work; this file adapts it to Fabric:
-``setup_module_and_optimizers`` shards the module (FSDP2 as root at stages 2/3, DDP at
-stage 1), re-points optimizers that were built over the unsharded parameters (by name)
-and wraps them (stage 1's sharded state, offload); ``backward`` averages the replicated
-0-dim grads unless ``no_backward_sync`` is active; ``clip_gradients_norm`` takes the
-global norm over every rank's shard. ``save_checkpoint`` writes the sharded directory
-(every rank, DCP; modules and optimizers keyed by parameter name) or one full file from
-rank 0 in the layout Fabric's DDP strategy writes, and ``load_checkpoint`` reads either.
+An adapter: each hook is a ``ZeroSession`` call (``zeropp_strategy/session.py``):
+``setup_module`` -> ``prepare`` (FSDP2 as root at stages 2/3, DDP at stage 1);
+``setup_optimizer`` -> ``adopt`` (re-pointed by name at the sharded parameters, wrapped);
+``backward`` -> ``after_backward``; ``no_backward_sync`` -> ``no_sync``;
+``optimizer_step`` -> ``check_step``; ``clip_gradients_norm`` -> ``clip_grad_norm``;
+``save_checkpoint``/``load_checkpoint`` -> ``save``/``load`` (the sharded directory every
+rank writes, or one full file from rank 0 in the layout Fabric's DDP strategy writes).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Mapping
-from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -41,19 +41,15 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from zeropp_strategy._process import ProcessMixin
-from zeropp_strategy.checkpoint.objects import load_objects, save_objects, split_state, stateful
+from zeropp_strategy.checkpoint.objects import split_state, stateful
+from zeropp_strategy.comm.ledger import Phase
 from zeropp_strategy.config import ZeroConfig
-from zeropp_strategy.engine.core import (
-    ZeroEngine,
-    check_nonfinite,
-    check_nonfinite_policy,
-    close_offload,
-    named_parameters,
-)
-from zeropp_strategy.engine.core import unwrap as _unwrap
+from zeropp_strategy.engine.core import ZeroEngine
 from zeropp_strategy.engine.fsdp import fsdp_modules, has_meta
-from zeropp_strategy.engine.precision import clip_grad_norm, clip_grad_value
+from zeropp_strategy.engine.guards import check_nonfinite_policy, named_parameters
+from zeropp_strategy.engine.guards import unwrap as _unwrap  # noqa: F401 - tests import it from here
 from zeropp_strategy.engine.precision import PrecisionPolicy
+from zeropp_strategy.session import ZeroSession
 
 
 def _flag_of(precision: Precision) -> str:
@@ -95,8 +91,6 @@ class ZeroPPFabricStrategy(ProcessMixin, ParallelStrategy):
         **config_fields: Any,
     ) -> None:
         self.on_nonfinite = check_nonfinite_policy(on_nonfinite, "ZeroPPFabricStrategy")
-        self.skipped_steps = 0
-        self._steps = 0  # optimizer steps taken (for the non-finite message)
         self._last_loss: Tensor | None = None
         self.config = ZeroConfig.coerce(config, where="ZeroPPFabricStrategy(config)", overrides=config_fields)
         super().__init__(
@@ -108,9 +102,8 @@ class ZeroPPFabricStrategy(ProcessMixin, ParallelStrategy):
         self._num_nodes = 1
         self._process_group_backend = process_group_backend
         self._timeout = timeout
-        self._engine: ZeroEngine | None = None
+        self._session: ZeroSession | None = None
         self._backward_sync_control = _ZeroNoSync(self)
-        self._grad_sync = True
         self._optimizers: list[Optimizer] = []
         self._modules: list[Module] = []
 
@@ -121,10 +114,19 @@ class ZeroPPFabricStrategy(ProcessMixin, ParallelStrategy):
         return self.config.stage
 
     @property
+    def session(self) -> ZeroSession:
+        if self._session is None:
+            raise RuntimeError("ZeroPPFabricStrategy.session is available after Fabric.launch() set up the processes.")
+        return self._session
+
+    @property
     def engine(self) -> ZeroEngine:
-        if self._engine is None:
-            raise RuntimeError("ZeroPPFabricStrategy.engine is available after Fabric.launch() set up the processes.")
-        return self._engine
+        return self.session.engine
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps dropped by ``on_nonfinite="skip"``."""
+        return self._session.skipped_steps if self._session is not None else 0
 
     @property
     def comm_ledger(self) -> Any:
@@ -138,9 +140,8 @@ class ZeroPPFabricStrategy(ProcessMixin, ParallelStrategy):
 
     def setup_environment(self) -> None:
         super().setup_environment()
-        self._connect()
-        engine_precision = PrecisionPolicy(_flag_of(self.precision), device=self.root_device.type)
-        self._engine = self._start_engine(engine_precision)
+        policy = PrecisionPolicy(_flag_of(self.precision), device=self.root_device.type)
+        self._session = self._start_session(policy, "ZeroPPFabricStrategy", self.on_nonfinite)
         self._use_sharded_scaler()
         rank_zero_info(f"zeropp (Fabric): stage {self.stage}, {self.engine.topology.describe()}")
 
@@ -165,14 +166,14 @@ class ZeroPPFabricStrategy(ProcessMixin, ParallelStrategy):
     def setup_module(self, module: Module) -> Module:
         if fsdp_modules(module) or isinstance(module, DistributedDataParallel):
             return module  # already set up
-        module = self.engine.prepare_module(module)
+        module = self.session.prepare(module)
         self._modules.append(module)
         return module
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """Re-points an optimizer built over unsharded parameters (before ``setup_module``)
         at the sharded ones, by name, then wraps it (stage 1 state sharding, offload)."""
-        wrapped = self.engine.adopt_optimizer(
+        wrapped = self.session.adopt(
             optimizer,
             fix="call fabric.setup(model, optimizer), or fabric.setup_module(model) before setup_optimizers.")
         self._optimizers.append(wrapped)
@@ -182,7 +183,7 @@ class ZeroPPFabricStrategy(ProcessMixin, ParallelStrategy):
         """Fabric calls this before ``setup_module``. Stages 2/3 place each shard while sharding
         (the full model never lands on the device); meta tensors are materialized there too."""
         if fsdp_modules(module):
-            self.engine.module_to_device(module)
+            self.session.module_to_device(module)
         elif self.stage == 1 and not has_meta(module):
             module.to(self.root_device)
 
@@ -197,18 +198,13 @@ class ZeroPPFabricStrategy(ProcessMixin, ParallelStrategy):
 
     def backward(self, tensor: Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
         self._last_loss = tensor.detach() if tensor.numel() == 1 else None
-        super().backward(tensor, module, *args, **kwargs)
-        if self._grad_sync:
-            for m in [module] if module is not None else self._modules:
-                self.engine.reduce_replicated_grads(m)
+        with self.session.phase(Phase.BACKWARD):  # gathers in backward are booked as such
+            super().backward(tensor, module, *args, **kwargs)
+        self.session.after_backward([module] if module is not None else self._modules)
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        step = self._steps
-        self._steps += 1
-        if self.on_nonfinite != "ignore" and getattr(self.precision, "scaler", None) is None:
-            if check_nonfinite(named_parameters(self._modules), self._last_loss, policy=self.on_nonfinite, step=step,
-                               where="ZeroPPFabricStrategy", device=self.root_device):
-                self.skipped_steps += 1
+        self.session.check_step(named_parameters(self._modules), self._last_loss,
+                                scaled=getattr(self.precision, "scaler", None) is not None)
         return super().optimizer_step(optimizer, **kwargs)
 
     def clip_gradients_norm(
@@ -221,7 +217,7 @@ class ZeroPPFabricStrategy(ProcessMixin, ParallelStrategy):
     ) -> Tensor:
         """The global norm over every rank's shard (stage 2/3), as DDP computes it at stage 1."""
         self.precision.unscale_gradients(optimizer)
-        total = clip_grad_norm(optimizer, float(max_norm), norm_type=float(norm_type), ledger=self.engine.ledger)
+        total = self.session.clip_grad_norm(optimizer, float(max_norm), norm_type=float(norm_type))
         if error_if_nonfinite and not torch.isfinite(total):
             raise RuntimeError(
                 f"The total norm of order {norm_type} of the gradients is non-finite ({total.item()}), so it cannot be "
@@ -231,7 +227,7 @@ class ZeroPPFabricStrategy(ProcessMixin, ParallelStrategy):
 
     def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: float | int) -> None:
         self.precision.unscale_gradients(optimizer)
-        clip_grad_value(optimizer, float(clip_val))
+        self.session.clip_grad_value(optimizer, float(clip_val))
 
     # -- collectives ------------------------------------------------------------------------
 
@@ -257,13 +253,7 @@ class ZeroPPFabricStrategy(ProcessMixin, ParallelStrategy):
             raise NotImplementedError("ZeroPPFabricStrategy.save_checkpoint(filter=...) is not supported. Fix: drop it.")
         modules, optimizers, rest = split_state(state)
         rest = {k: (v.state_dict() if stateful(v) else v) for k, v in rest.items()}
-        save_objects(
-            Path(self.broadcast(str(path))), modules, optimizers, rest,
-            full=self.state_dict_type == "full", rank_zero=self.is_global_zero, barrier=self.barrier,
-            broadcast=self.broadcast, unwrap=_unwrap, ledger=self.engine.ledger,
-            info={"stage": self.stage, "world_size": self.world_size, "config": self.config.to_dict(),
-                  "front_end": "fabric"},
-        )
+        self.session.save(path, modules, optimizers, rest, front_end="fabric", full=self.state_dict_type == "full")
 
     def load_checkpoint(
         self,
@@ -280,8 +270,7 @@ class ZeroPPFabricStrategy(ProcessMixin, ParallelStrategy):
             state = {"model": state}
         state = state if state is not None else {}
         modules, optimizers, others = split_state(state)
-        rest = load_objects(Path(self.broadcast(str(path))), modules, optimizers, strict=strict,
-                            weights_only=weights_only, unwrap=_unwrap)
+        rest = self.session.load(path, modules, optimizers, strict=strict, weights_only=weights_only)
         for key, obj in others.items():
             if key not in rest:
                 if strict:
@@ -296,8 +285,8 @@ class ZeroPPFabricStrategy(ProcessMixin, ParallelStrategy):
     # -- teardown ------------------------------------------------------------------------
 
     def teardown(self) -> None:
-        for opt in self._optimizers:
-            close_offload(opt)
+        if self._session is not None:
+            self._session.close(self._optimizers)
         self._optimizers, self._modules = [], []
         super().teardown()
 
@@ -311,14 +300,4 @@ class _ZeroNoSync(_BackwardSyncControl):
     def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
         if not enabled:
             return nullcontext()
-        return self._blocked(module)
-
-    @contextmanager
-    def _blocked(self, module: Module) -> Generator[None, None, None]:
-        self.strategy._grad_sync = False
-        try:
-            with self.strategy.engine.no_sync(module):
-                yield
-        finally:
-            self.strategy._grad_sync = True
-
+        return self.strategy.session.no_sync(module)

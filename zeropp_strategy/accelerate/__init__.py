@@ -1,4 +1,4 @@
-"""HF Accelerate on the zeropp engine: ``ZeroPPAccelerator``.
+"""Layer: front-end (Accelerate). HF Accelerate on the zeropp session: ``ZeroPPAccelerator``.
 
     from zeropp_strategy.accelerate import ZeroPPAccelerator as Accelerator
 
@@ -16,8 +16,8 @@ sharding changes: ``prepare_model`` (our engine instead of DDP), ``prepare_optim
 (re-pointed at the sharded parameters by name, stage-1/offload wrappers), ``prepare``
 (models first, so an optimizer can come before its model in the argument list),
 ``backward``, ``no_sync``, ``clip_grad_norm_``, ``get_state_dict``, ``save_state`` and
-``load_state``. The engine is ``engine.core.ZeroEngine``, the one the Lightning and
-Fabric strategies use.
+``load_state``, each by calling the ``ZeroSession`` (``zeropp_strategy/session.py``) that
+the Lightning and Fabric strategies use too.
 """
 
 from __future__ import annotations
@@ -38,23 +38,16 @@ from accelerate.utils import DistributedType, convert_outputs_to_fp32
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from zeropp_strategy.checkpoint.objects import load_objects, save_objects
+from zeropp_strategy.comm.ledger import Phase
 from zeropp_strategy.config import ZeroConfig
-from zeropp_strategy.engine.core import (
-    ZeroEngine,
-    attempt_store,
-    check_nonfinite,
-    check_nonfinite_policy,
-    check_offload_paths,
-    close_offload,
-    default_backend,
-    named_parameters,
-)
-from zeropp_strategy.engine.core import unwrap as _unwrap
+from zeropp_strategy.engine.core import ZeroEngine
 from zeropp_strategy.engine.fsdp import fsdp_modules
-from zeropp_strategy.engine.precision import ShardedGradScaler, clip_grad_norm_params, clip_grad_norm_rows
+from zeropp_strategy.engine.guards import check_nonfinite_policy, named_parameters
+from zeropp_strategy.engine.guards import unwrap as _unwrap
+from zeropp_strategy.engine.precision import PrecisionPolicy, ShardedGradScaler
+from zeropp_strategy.engine.process_group import check_offload_paths, connect, default_backend
 from zeropp_strategy.engine.state import full_model_state
-from zeropp_strategy.engine.precision import PrecisionPolicy
+from zeropp_strategy.session import ZeroSession
 
 __all__ = ["CONFIG_ENV", "ZeroPPAccelerator", "config_from_env"]
 
@@ -89,7 +82,7 @@ def config_from_env() -> ZeroConfig:
 
 
 def _with_offload_backend(config: ZeroConfig, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """With offload on CUDA, ask Accelerate for gloo beside NCCL (``engine.core.default_backend``):
+    """With offload on CUDA, ask Accelerate for gloo beside NCCL (``engine.process_group.default_backend``):
     offloaded shards are host tensors, and c10d picks the backend by the tensor's device.
     A user's own ``InitProcessGroupKwargs`` keeps its settings; only its backend is set,
     and only when it is still Accelerate's default ("nccl")."""
@@ -113,28 +106,28 @@ def _with_offload_backend(config: ZeroConfig, kwargs: dict[str, Any]) -> dict[st
     return {**kwargs, "kwargs_handlers": handlers}
 
 
-def _init_process_group_per_attempt(kwargs: dict[str, Any]) -> None:
+def _init_process_group_per_attempt(config: ZeroConfig, kwargs: dict[str, Any]) -> None:
     """Under torchrun, create the default process group here, on a store prefix per restart
-    attempt (``engine.core.attempt_store``: without it every ``--max-restarts`` restart on
+    attempt (``engine.process_group.attempt_store``: without it every ``--max-restarts`` restart on
     gloo fails to connect), with the backend and timeout Accelerate would use. Accelerate
     then adopts the existing group. Elsewhere: nothing (Accelerate creates it as usual)."""
     import torch.distributed as dist
     from accelerate.utils import InitProcessGroupKwargs
 
-    if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    from zeropp_strategy.engine.process_group import restarted_under_torchrun
+
+    if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) <= 1 or not restarted_under_torchrun():
         return
     handler = next((h for h in kwargs.get("kwargs_handlers") or [] if isinstance(h, InitProcessGroupKwargs)), None)
     given = handler.to_kwargs() if handler is not None else {}  # only the fields the user changed
-    store = attempt_store(given.get("timeout"))
-    if store is None:
-        return
     cpu = bool(kwargs.get("cpu")) or not torch.cuda.is_available()
-    backend = given.get("backend") or ("gloo" if cpu else "nccl")
+    device = torch.device("cpu") if cpu else torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     if not cpu:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    extra = {"timeout": given["timeout"]} if given.get("timeout") is not None else {}
-    dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
-                            world_size=int(os.environ["WORLD_SIZE"]), **extra)
+        torch.cuda.set_device(device)
+    connect(config, device,
+            lambda backend, **kw: dist.init_process_group(backend, rank=int(os.environ["RANK"]),
+                                                          world_size=int(os.environ["WORLD_SIZE"]), **kw),
+            backend=given.get("backend") or ("gloo" if cpu else "nccl"), timeout=given.get("timeout"))
 
 
 class _CheckedOptimizer(AcceleratedOptimizer):
@@ -148,12 +141,7 @@ class _CheckedOptimizer(AcceleratedOptimizer):
     def step(self, closure: Any = None) -> None:
         acc = self._accelerator
         if self.gradient_state.sync_gradients:
-            step = acc._optimizer_steps
-            acc._optimizer_steps += 1
-            if acc.on_nonfinite != "ignore" and self.scaler is None:
-                if check_nonfinite(named_parameters(acc._models), acc._last_loss, policy=acc.on_nonfinite, step=step,
-                                   where="ZeroPPAccelerator", device=acc.device):
-                    acc.skipped_steps += 1
+            acc.session.check_step(named_parameters(acc._models), acc._last_loss, scaled=self.scaler is not None)
         return super().step(closure)
 
 
@@ -175,8 +163,6 @@ class ZeroPPAccelerator(Accelerator):
     def __init__(self, *args: Any, zero_config: ZeroConfig | dict | str | Path | None = None,
                  on_nonfinite: str = "ignore", **kwargs: Any) -> None:
         self.on_nonfinite = check_nonfinite_policy(on_nonfinite, "ZeroPPAccelerator")
-        self.skipped_steps = 0
-        self._optimizer_steps = 0
         self._last_loss: torch.Tensor | None = None
         # Config errors first, on every rank, before Accelerate creates the process group.
         if zero_config is None:
@@ -187,9 +173,7 @@ class ZeroPPAccelerator(Accelerator):
         if torchrun_without_gpu():
             kwargs.setdefault("cpu", True)
         kwargs = _with_offload_backend(config, kwargs)
-        if config.gather_16bit is None:  # Accelerate's mixed precision: autocast over fp32 weights
-            config = config.replace(gather_16bit=False)
-        _init_process_group_per_attempt(kwargs)
+        _init_process_group_per_attempt(config, kwargs)
         super().__init__(*args, **kwargs)
         if self.distributed_type not in (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU, DistributedType.NO):
             raise ValueError(
@@ -198,33 +182,50 @@ class ZeroPPAccelerator(Accelerator):
                 "fsdp_config), e.g. recipes/accelerate/zeropp.yaml."
             )
         ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.num_processes))
-        config.validate_for_world(self.num_processes, ranks_per_node)
         self.zero_config = config
-        self._zero_sync = True
-        self.zero_engine: ZeroEngine | None = None
+        self.zero_session: ZeroSession | None = None
         if self.num_processes > 1:
             flag = _PRECISION.get(str(self.mixed_precision), "32-true")
-            self.zero_engine = ZeroEngine.start(
+            self.zero_session = ZeroSession.start(
                 config,
                 rank=self.process_index,
                 world_size=self.num_processes,
                 ranks_per_node=ranks_per_node,
                 device=self.device,
                 precision=PrecisionPolicy(flag, device=self.device.type),
+                where="ZeroPPAccelerator",
+                on_nonfinite=on_nonfinite,
                 info=lambda msg: self.print(msg),
+                # gather_16bit=None: Accelerate's mixed precision is autocast over fp32 weights
+                gather_16bit_default=False,
             )
-            self.print(f"zeropp: ZeroPPAccelerator stage {config.stage}, {self.zero_engine.topology.describe()}")
+            self.print(f"zeropp: ZeroPPAccelerator stage {config.stage}, {self.zero_session.topology.describe()}")
             if self.scaler is not None:  # fp16: the inf check must see every rank's shards
                 self.scaler = ShardedGradScaler(
-                    device=self.device.type, group=self.zero_engine.meshes.world.get_group(),
-                    ledger=self.zero_engine.ledger,
+                    device=self.device.type, group=self.zero_session.meshes.world.get_group(),
+                    ledger=self.zero_session.ledger,
                 )
+        else:
+            config.validate_for_world(self.num_processes, ranks_per_node)
+
+    @property
+    def session(self) -> ZeroSession:
+        if self.zero_session is None:
+            raise RuntimeError("ZeroPPAccelerator has no session in a single process (nothing to shard).")
+        return self.zero_session
+
+    @property
+    def zero_engine(self) -> ZeroEngine | None:
+        return self.zero_session.engine if self.zero_session is not None else None
 
     @property
     def engine(self) -> ZeroEngine:
-        if self.zero_engine is None:
-            raise RuntimeError("ZeroPPAccelerator has no engine in a single process (nothing to shard).")
-        return self.zero_engine
+        return self.session.engine
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps dropped by ``on_nonfinite="skip"``."""
+        return self.zero_session.skipped_steps if self.zero_session is not None else 0
 
     # -- prepare ----------------------------------------------------------------------------
 
@@ -242,11 +243,10 @@ class ZeroPPAccelerator(Accelerator):
             if model not in self._models:
                 self._models.append(model)
             return model
-        engine = self.engine
-        model = engine.prepare_module(model, train=not evaluation_mode)
+        model = self.session.prepare(model, train=not evaluation_mode)
         if self.native_amp:  # autocast around forward, fp32 outputs: as Accelerate does for DDP
             inner = _unwrap(model)
-            autocast = torch.autocast(device_type=self.device.type, dtype=engine.precision.half_dtype)
+            autocast = torch.autocast(device_type=self.device.type, dtype=self.session.precision.half_dtype)
             forward = inner.forward
             inner._original_forward = forward  # type: ignore[attr-defined]
             inner.forward = MethodType(convert_outputs_to_fp32(autocast(forward.__func__)), inner)
@@ -262,7 +262,7 @@ class ZeroPPAccelerator(Accelerator):
             if optimizer not in self._optimizers:
                 self._optimizers.append(optimizer)
             return optimizer
-        wrapped = self.engine.adopt_optimizer(
+        wrapped = self.session.adopt(
             optimizer,
             fix="pass its model to accelerator.prepare() in the same call as the optimizer or an earlier one.")
         # device_placement=False: our wrappers hold state where the config puts it.
@@ -277,13 +277,13 @@ class ZeroPPAccelerator(Accelerator):
             return super().backward(loss, **kwargs)
         self._last_loss = loss.detach() if loss.numel() == 1 else None
         loss = loss / self.gradient_accumulation_steps
-        if self.scaler is not None:
-            self.scaler.scale(loss).backward(**kwargs)
-        else:
-            loss.backward(**kwargs)
-        if self.sync_gradients and self._zero_sync:
-            for model in self._models:
-                self.engine.reduce_replicated_grads(_unwrap(model))
+        with self.session.phase(Phase.BACKWARD):  # gathers in backward are booked as such
+            if self.scaler is not None:
+                self.scaler.scale(loss).backward(**kwargs)
+            else:
+                loss.backward(**kwargs)
+        if self.sync_gradients:
+            self.session.after_backward(self._models)
 
     @contextlib.contextmanager
     def no_sync(self, model: Module) -> Generator[None, None, None]:
@@ -292,20 +292,15 @@ class ZeroPPAccelerator(Accelerator):
             with super().no_sync(model):
                 yield
             return
-        self._zero_sync = False
-        try:
-            with self.engine.no_sync(model):
-                yield
-        finally:
-            self._zero_sync = True
+        with self.session.no_sync(model):
+            yield
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor:
         """The global norm over every rank's shard (sharded grads), as DDP's at stage 1."""
         if self.zero_engine is None:
             return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
         self.unscale_gradients()
-        clip = clip_grad_norm_rows if self.engine.stage == 1 else clip_grad_norm_params
-        return clip(parameters, float(max_norm), norm_type=float(norm_type), ledger=self.engine.ledger)
+        return self.session.clip_grad_norm(parameters=parameters, max_norm=float(max_norm), norm_type=float(norm_type))
 
     # -- state --------------------------------------------------------------------------
 
@@ -314,7 +309,7 @@ class ZeroPPAccelerator(Accelerator):
         process, ``{}`` elsewhere (every process must call it: it is a collective)."""
         if self.zero_engine is None or not getattr(model, "_zeropp_prepared", False):
             return super().get_state_dict(model, unwrap=unwrap)
-        return full_model_state(_unwrap(model), keep=self.is_main_process, ledger=self.engine.ledger)
+        return full_model_state(_unwrap(model), keep=self.is_main_process, ledger=self.session.ledger)
 
     def _zero_objects(self) -> tuple[dict[str, Module], dict[str, Optimizer]]:
         modules = {f"model_{i}": _unwrap(m) for i, m in enumerate(self._models)}
@@ -347,14 +342,8 @@ class ZeroPPAccelerator(Accelerator):
         for hook in self._save_model_state_pre_hook.values():
             hook(self._models, [], location)
         modules, optimizers = self._zero_objects()
-        save_objects(
-            Path(location) / _STATE_DIR, modules, optimizers, {},
-            full=self.zero_config.resolved_state_dict_type() == "full", rank_zero=self.is_main_process,
-            barrier=self.wait_for_everyone, broadcast=self._broadcast_obj, unwrap=lambda m: m,
-            ledger=self.engine.ledger,
-            info={"stage": self.engine.stage, "world_size": self.num_processes, "config": self.zero_config.to_dict(),
-                  "front_end": "accelerate"},
-        )
+        self.session.save(Path(location) / _STATE_DIR, modules, optimizers, {}, front_end="accelerate",
+                          full=self.zero_config.resolved_state_dict_type() == "full")
         return location
 
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs: Any) -> None:
@@ -366,8 +355,7 @@ class ZeroPPAccelerator(Accelerator):
         for hook in self._load_model_state_pre_hook.values():
             hook(self._models, location)
         modules, optimizers = self._zero_objects()
-        load_objects(Path(location) / _STATE_DIR, modules, optimizers, strict=True, weights_only=None,
-                     unwrap=lambda m: m)
+        self.session.load(Path(location) / _STATE_DIR, modules, optimizers, strict=True)
         return None
 
     def _latest_checkpoint(self) -> str:
@@ -378,24 +366,12 @@ class ZeroPPAccelerator(Accelerator):
         )
         return folders[-1]
 
-    def _broadcast_obj(self, obj: Any) -> Any:
-        import torch.distributed as dist
-
-        box = [obj]
-        dist.broadcast_object_list(box, 0)
-        return box[0]
-
     def _broadcast_str(self, value: str) -> str:
-        return str(self._broadcast_obj(value))
+        return str(self.session.broadcast(value))
 
     def free_memory(self, *objects: Any) -> Any:
-        for opt in self._optimizers:
-            close_offload(opt)
-        if self.zero_engine is not None:
-            for store in self.zero_engine.param_stores:
-                store.close()
-            self.zero_engine.param_stores.clear()
-            self.zero_engine.forget_modules()
+        if self.zero_session is not None:
+            self.zero_session.close(self._optimizers)
         return super().free_memory(*objects)
 
     @property

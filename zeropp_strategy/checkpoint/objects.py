@@ -19,13 +19,12 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from zeropp_strategy.checkpoint.atomic import META_FILE, atomic_torch_save, new_nonce, publish, safe_load, staged_directory
-from zeropp_strategy.checkpoint.integrity import rank_zero_writes
+from zeropp_strategy.checkpoint.atomic import new_nonce, safe_load
+from zeropp_strategy.checkpoint.protocol import open_sharded, write_full, write_sharded
 from zeropp_strategy.checkpoint.sharded import (
     FORMAT,
     VERSION,
@@ -36,7 +35,6 @@ from zeropp_strategy.checkpoint.sharded import (
     load_optimizer,
     model_tensors,
     optimizer_tensors_and_meta,
-    save_tensors,
 )
 from zeropp_strategy.engine.state import (
     full_model_state,
@@ -91,8 +89,7 @@ def save_objects(
         # The layout marker (which entries are modules, which optimizers) lets `zeropp consolidate`
         # recognise the file; load_objects drops it again.
         zeropp.update(modules=list(modules), optimizers={k: owner_of(o, modules, unwrap) for k, o in optimizers.items()})
-        rank_zero_writes(f"writing {path}", lambda: atomic_torch_save({**rest, **out, ZEROPP: zeropp}, path))
-        barrier()
+        write_full(path, {**rest, **out, ZEROPP: zeropp}, barrier=barrier)
         return
     tensors: dict[str, Any] = {key: model_tensors(unwrap(m)) for key, m in modules.items()}
     optim_tensors: dict[str, Any] = {}
@@ -103,16 +100,7 @@ def save_objects(
         optim_meta[key]["module"] = owner
     tensors[OPTIM] = optim_tensors
     meta = {"state": dict(rest), "optimizers": optim_meta, "modules": list(modules), ZEROPP: zeropp}
-    with staged_directory(path, nonce, is_writer=rank_zero) as tmp:
-        barrier()  # the directory exists before anyone writes
-        save_tensors(tensors, tmp)
-
-        def finish() -> None:
-            torch.save(meta, tmp / META_FILE)
-            publish(tmp, path, nonce)
-
-        rank_zero_writes(f"writing {tmp / META_FILE}", finish)
-    barrier()
+    write_sharded(path, nonce, tensors, meta, rank_zero=rank_zero, barrier=barrier)
 
 
 def load_objects(
@@ -126,12 +114,7 @@ def load_objects(
 ) -> dict[str, Any]:
     """Load modules and optimizers in place from either format; returns the other entries."""
     if path.is_dir():
-        if not (path / META_FILE).is_file():
-            raise FileNotFoundError(
-                f"{path} is a directory without {META_FILE}, so it is not a complete zeropp sharded checkpoint "
-                "(an interrupted save leaves a '.tmp-' sibling, never this name). Fix: pass a complete checkpoint."
-            )
-        meta = safe_load(path / META_FILE, weights_only)
+        meta = open_sharded(path, weights_only)
         for key, module in modules.items():
             if key not in meta.get("modules", []):
                 raise KeyError(f"checkpoint {path} has no module {key!r} (it has {meta.get('modules')}).")

@@ -20,17 +20,12 @@ objects is the same and lives here, once:
 from __future__ import annotations
 
 import logging
-import math
-import os
 import shutil
-from datetime import timedelta
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.distributed.constants import default_pg_timeout
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
@@ -40,55 +35,30 @@ from zeropp_strategy.comm.comm_thread import BackwardDeferral, CommThread, Threa
 from zeropp_strategy.comm.hierarchical import NodeGroups
 from zeropp_strategy.comm.ledger import CommKind, CommLedger
 from zeropp_strategy.config import ZeroConfig
-from zeropp_strategy.engine.dtensor import local as _local
 from zeropp_strategy.engine.fsdp import ShardedRoot, fsdp_modules, materialize, replicated_params, shard_module
+from zeropp_strategy.engine.guards import (  # noqa: F401 - NONFINITE_POLICIES ... re-exported from their old home
+    NONFINITE_POLICIES,
+    agree,
+    broadcast_module,
+    check_nonfinite,
+    check_nonfinite_policy,
+    check_same_config,
+    named_parameters,
+    unwrap,
+)
 from zeropp_strategy.engine.precision import PrecisionPolicy
+from zeropp_strategy.engine.process_group import (  # noqa: F401 - re-exported from their old home
+    attempt_store,
+    check_offload_paths,
+    default_backend,
+)
 from zeropp_strategy.engine.stage1 import ShardedOptimizer
 from zeropp_strategy.engine.stage1_reduce import PartitionedReduce, partitioned_reduce_hook
 from zeropp_strategy.engine.watchdog import PeerWatchdog
+from zeropp_strategy.plan import resolve
 from zeropp_strategy.topology import Meshes, Topology
 
 log = logging.getLogger(__name__)
-
-
-def default_backend(config: ZeroConfig, device: torch.device) -> str:
-    """NCCL for accelerator tensors; with offload, also gloo for the host tensors that
-    offloaded shards produce (full-format saves gather host-resident DTensors, clipping
-    reduces norms of host grads): c10d picks the backend by each tensor's device."""
-    if device.type == "cpu":
-        return "gloo"
-    backend = "nccl" if device.type == "cuda" else dist.Backend.default_device_backend_map.get(device.type, "gloo")
-    offload = config.offload_optimizer.device != "none" or config.offload_param.device != "none"
-    if backend == "nccl" and offload:
-        return "cpu:gloo,cuda:nccl"
-    return backend
-
-
-def attempt_store(timeout: timedelta | None) -> dist.Store | None:
-    """Under torchrun, the agent's store with a key prefix per restart attempt; None elsewhere.
-
-    torchrun ``--max-restarts`` keeps its agent's store across attempts, and (torch 2.13)
-    the default process group of a restarted attempt reads the rendezvous keys the failed
-    attempt left there: gloo then connects to the dead workers' addresses and every restart
-    fails with "Gloo connectFullMesh failed ... Connection refused". A prefix per attempt
-    (``TORCHELASTIC_RESTART_COUNT``) gives each attempt clean keys.
-    """
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or attempt is None:
-        return None
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=timeout or default_pg_timeout)
-    return dist.PrefixStore(f"zeropp/attempt_{attempt}", store)
-
-
-def check_offload_paths(config: ZeroConfig) -> None:
-    """A missing or read-only nvme_path fails here, on every rank, before any collective."""
-    from zeropp_strategy.offload.swap import check_swap_root
-
-    for name in ("offload_optimizer", "offload_param"):
-        block = getattr(config, name)
-        if block.device == "nvme":
-            check_swap_root(block.nvme_path, name)
 
 
 def close_offload(optimizer: Any) -> None:
@@ -113,8 +83,12 @@ class ZeroEngine:
         precision: PrecisionPolicy,
         device: torch.device,
         info: Callable[[str], None] = log.info,
+        gather_16bit_default: bool = True,
     ) -> None:
         self.config = config
+        # Every sentinel of the config decided once for this job (plan.py); notes said once.
+        self.plan = resolve(config, topology, gather_16bit_default=gather_16bit_default)
+        self._noted: set[str] = set()
         self.topology = topology
         self.meshes = meshes
         self.ledger = ledger
@@ -145,16 +119,19 @@ class ZeroEngine:
         device: torch.device,
         precision: PrecisionPolicy,
         info: Callable[[str], None] = log.info,
+        gather_16bit_default: bool = True,
     ) -> ZeroEngine:
         """Call once the default process group exists (every rank). Its first collective
         checks that every rank was given the same config (``check_same_config``)."""
-        check_same_config(config, world_size)
+        # Topology and ledger are local; the config check is the first collective (a
+        # mismatched config would otherwise build mismatched meshes and hang).
         topology = Topology.detect(world_size, rank, ranks_per_node=ranks_per_node, simulated_nodes=config.simulated_nodes)
-        meshes = topology.build_meshes(device.type)
         ledger = CommLedger(topology)
+        check_same_config(config, world_size, ledger=ledger)
+        meshes = topology.build_meshes(device.type)
         precision.bind(device.type, ledger, meshes.world.get_group())
         engine = cls(config, topology=topology, meshes=meshes, ledger=ledger, precision=precision, device=device,
-                     info=info)
+                     info=info, gather_16bit_default=gather_16bit_default)
         engine.watchdog = PeerWatchdog.start(timeout=config.peer_timeout, rank=rank, world_size=world_size)
         return engine
 
@@ -175,21 +152,20 @@ class ZeroEngine:
     @property
     def hpz_partition_size(self) -> int:
         """Effective hpZ group size: 1 when off or when it cannot help (one group = all ranks)."""
-        size = self.config.hpz_partition_size or self.topology.ranks_per_node
-        return size if self.stage == 3 and 1 < size < self.world_size else 1
+        return self.plan.hpz_group
+
+    def _note(self, feature: str) -> None:
+        """Say the plan's note about ``feature`` ("hpZ", "qwZ", "qgZ"), once per engine."""
+        for note in self.plan.notes:
+            if note.startswith(f"zeropp: {feature} ") and note not in self._noted:
+                self._noted.add(note)
+                self.info(note)
 
     def reshard_after_forward(self) -> bool | int:
         """Stage 2 keeps gathered params through backward; stage 3 frees them, or with hpZ
         keeps an intra-node secondary shard (FSDP2's integer reshard_after_forward)."""
-        if self.stage == 2:
-            return False
-        if self.config.hpz_partition_size != 1 and self.hpz_partition_size == 1:
-            size = self.config.hpz_partition_size or self.topology.ranks_per_node
-            why = (f"its group would be {size} rank (one rank per node): a secondary shard of one rank is the "
-                   "whole model" if size <= 1 else
-                   f"its group of {size} ranks holds all {self.world_size} ranks (a single node)")
-            self.info(f"zeropp: hpZ is off: {why}, so backward gathers use the plain stage-3 path.")
-        return self.hpz_partition_size if self.hpz_partition_size > 1 else True
+        self._note("hpZ")
+        return self.plan.reshard_after_forward
 
     def comm_factories(self) -> tuple[Any, Any]:
         """Factories for qwZ / qgZ comm objects (None: the plain ledger collectives)."""
@@ -199,8 +175,7 @@ class ZeroEngine:
         all_gather: Any = None
         reduce_scatter: Any = None
         if cfg.quantized_weights:
-            if topo.num_nodes == 1:
-                self.info("zeropp: qwZ quantizes only cross-node gathers; on one node they stay 16/32-bit.")
+            self._note("qwZ")
 
             def quantized_gather() -> QuantizedAllGather:
                 return QuantizedAllGather(
@@ -211,11 +186,7 @@ class ZeroEngine:
             all_gather = quantized_gather
 
         if cfg.quantized_gradients:
-            if topo.num_nodes == 1 and not cfg.quantized_gradients_on_single_node:
-                self.info(
-                    "zeropp: qgZ falls back to the plain reduce-scatter on a single node "
-                    "(set quantized_gradients_on_single_node=True to quantize anyway)."
-                )
+            self._note("qgZ")
 
             def quantized_reduce_scatter() -> HierarchicalQuantReduceScatter:
                 return HierarchicalQuantReduceScatter(
@@ -286,7 +257,7 @@ class ZeroEngine:
             self.config,
             mesh=self.meshes.world,
             ledger=self.ledger,
-            mp_policy=self.precision.mp_policy(gather_16bit=self.config.gather_16bit is not False),
+            mp_policy=self.precision.mp_policy(gather_16bit=self.plan.gather_16bit),
             device=self.device,
             nodes=self.nodes,
             wire_dtype=self.reduce_dtype(),
@@ -334,7 +305,7 @@ class ZeroEngine:
             return
         module.to(self.device)
 
-    def prepare_module(self, module: nn.Module, *, train: bool = True) -> nn.Module:
+    def prepare_module(self, module: nn.Module, *, train: bool = True, checkpoint: bool | None = None) -> nn.Module:
         """A user's module set up for its stage, for the front-ends that hand over modules one
         at a time (Fabric, Accelerate). Stage 1: materialized, activation checkpointing if
         configured (``train``), DDP, except a module with nothing to train (or ``train=False``),
@@ -344,11 +315,11 @@ class ZeroEngine:
         self._prepared += 1
         self._names_before.update({id(p): f"{index}.{n}" for n, p in module.named_parameters(remove_duplicate=False)})
         if self.stage == 1:
-            module = self.prepare_stage1(module, checkpoint=train)
+            module = self.prepare_stage1(module, checkpoint=train if checkpoint is None else checkpoint)
             if train and any(p.requires_grad for p in module.parameters()):
                 module = self.wrap_ddp(module)
             else:
-                broadcast_module(module)
+                broadcast_module(module, ledger=self.ledger)
         else:
             module = self.precision.convert_module(module)
             self.shard(module)
@@ -519,158 +490,7 @@ class ZeroEngine:
 
     def agree(self, what: str, fn: Callable[[], Any]) -> Any:
         """``agree(what, fn)`` with this rank's device (see there)."""
-        return agree(what, fn, device=self.device)
-
-
-def agree(what: str, fn: Callable[[], Any], *, device: torch.device | None = None) -> Any:
-    """Run a rank-local step that may fail (a full disk) so that all ranks fail together.
-
-    Every rank runs ``fn``, then one all-reduce says whether any failed: the failing
-    rank raises its own error, the others an error naming it, instead of waiting in
-    the next collective until the timeout. ``device``: where the flag goes under NCCL
-    (default: the current CUDA device).
-    """
-    error: BaseException | None = None
-    result = None
-    try:
-        result = fn()
-    except Exception as e:  # noqa: BLE001 - re-raised below, after the others know
-        error = e
-    distributed = dist.is_available() and dist.is_initialized()
-    rank = dist.get_rank() if distributed else 0
-    flag = torch.tensor([rank if error is not None else -1], dtype=torch.int64)
-    if distributed:
-        if dist.get_backend() == "nccl":
-            cuda = device if device is not None and device.type != "cpu" else torch.device("cuda", torch.cuda.current_device())
-            flag = flag.to(cuda)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if error is not None:
-        raise error
-    failed = int(flag.item())
-    if failed >= 0:
-        raise RuntimeError(f"zeropp: {what} failed on rank {failed} (its error is in its log); stopping this rank too.")
-    return result
+        return agree(what, fn, device=self.device, ledger=self.ledger)
 
 
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-NONFINITE_POLICIES = ("ignore", "raise", "skip")
-
-
-def check_nonfinite_policy(value: Any, where: str) -> str:
-    """``on_nonfinite`` of a front-end, validated (a ``ValueError`` naming ``where``)."""
-    if value not in NONFINITE_POLICIES:
-        raise ValueError(f"{where}(on_nonfinite={value!r}) is invalid. Fix: use 'ignore', 'raise' (stop with the "
-                         "step and the first non-finite parameter) or 'skip' (drop that step).")
-    return value
-
-
-def named_parameters(modules: list[nn.Module]) -> list[tuple[str, torch.Tensor]]:
-    """The parameters of ``modules`` (wrappers removed) by name, prefixed with the module's
-    index when there are several: what ``check_nonfinite`` reports."""
-    return [(f"{i}.{n}" if len(modules) > 1 else n, p)
-            for i, m in enumerate(modules) for n, p in unwrap(m).named_parameters()]
-
-
-@torch.no_grad()
-def check_nonfinite(named_params: list[tuple[str, torch.Tensor]], loss: Any, *, policy: str, step: int,
-                    where: str, device: torch.device | None = None) -> bool:
-    """After backward, before the optimizer step: one all-reduce says whether any rank has a
-    non-finite loss or gradient (in its own shard). Then every rank raises the same
-    ``FloatingPointError`` (``policy="raise"``: the step, the ranks with a bad loss, the first
-    non-finite gradient and its rank), or drops every gradient so that the optimizer skips
-    the step (``"skip"``; returns True). ``where``: the front-end, for the fix."""
-    first = None
-    for name, p in named_params:
-        if p.grad is not None and not torch.isfinite(_local(p.grad)).all():
-            first = name
-            break
-    loss_value = float(loss.detach()) if isinstance(loss, torch.Tensor) and loss.numel() == 1 else (
-        float(loss) if isinstance(loss, (int, float)) else None)
-    bad_loss = loss_value is not None and not math.isfinite(loss_value)
-    distributed = dist.is_available() and dist.is_initialized()
-    flag = torch.tensor([1.0 if (first is not None or bad_loss) else 0.0],
-                        device=device if device is not None else torch.device("cpu"))
-    if distributed:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if flag.item() == 0:
-        return False
-    reports: list[Any] = [(first, loss_value)]
-    if distributed:
-        reports = [None] * dist.get_world_size()
-        dist.all_gather_object(reports, (first, loss_value))
-    at = next(((r, name) for r, (name, _) in enumerate(reports) if name is not None), None)
-    losses = ", ".join(f"rank {r}: {v:.4g}" for r, (_, v) in enumerate(reports) if v is not None)
-    bad_ranks = [str(r) for r, (_, v) in enumerate(reports) if v is not None and not math.isfinite(v)]
-    parts = [f"non-finite loss on rank(s) {', '.join(bad_ranks)}"] if bad_ranks else []
-    if at:  # after the gradient reduction, so one rank's NaN shows on every rank
-        parts.append(f"first non-finite gradient in {at[1]!r} on rank {at[0]}")
-    what = "; ".join(parts)
-    if policy == "raise":
-        raise FloatingPointError(
-            f"zeropp: non-finite values at optimizer step {step}: {what} (losses: {losses}). Fix: lower the "
-            f"learning rate, check this step's data, prefer bf16 to fp16, or pass {where}(on_nonfinite='skip') "
-            "to drop such steps."
-        )
-    for _, p in named_params:
-        p.grad = None  # optimizers skip parameters without a gradient: no update, no state change
-    log.warning("zeropp: skipped optimizer step %d on every rank: %s (losses: %s)", step, what, losses)
-    return True
-
-
-def _comparable(config: ZeroConfig) -> dict[str, Any]:
-    """The config fields that must agree across ranks: all of them, except the NVMe paths,
-    which may differ per node (a different mount point on each machine)."""
-    d = config.to_dict()
-    for key in ("offload_optimizer", "offload_param"):
-        if isinstance(d.get(key), dict):
-            d[key] = {k: v for k, v in d[key].items() if k != "nvme_path"}
-    return d
-
-
-def check_same_config(config: ZeroConfig, world_size: int) -> None:
-    """Collective (one object all-gather): every rank raises the same ``ValueError`` when
-    the ranks were given different configs (stage, bits, hpZ size...), naming each field
-    that differs, the ranks and their values, instead of entering mismatched collectives
-    and hanging."""
-    if world_size <= 1 or not dist.is_initialized():
-        return
-    mine = _comparable(config)
-    everyone: list[Any] = [None] * world_size
-    dist.all_gather_object(everyone, mine)
-    if all(d == everyone[0] for d in everyone):
-        return
-    lines = []
-    for key in sorted(set().union(*everyone)):
-        values = [d.get(key) for d in everyone]
-        if any(v != values[0] for v in values):
-            by_value: dict[str, list[int]] = {}
-            for rank, v in enumerate(values):
-                by_value.setdefault(repr(v), []).append(rank)
-            shown = "; ".join(f"ranks {_ranks(r)} have {v}" for v, r in by_value.items())
-            lines.append(f"{key}: {shown}")
-    raise ValueError(
-        "zeropp: the ranks were given different ZeroConfigs, and mismatched collectives would hang: "
-        + " | ".join(lines) + ". Fix: give every rank the same configuration (the same recipe, command-line "
-        "arguments and ZEROPP_* environment variables)."
-    )
-
-
-def _ranks(ranks: list[int]) -> str:
-    return ",".join(str(r) for r in ranks[:8]) + (f",... ({len(ranks)} ranks)" if len(ranks) > 8 else "")
-
-
-def unwrap(module: nn.Module) -> nn.Module:
-    """The user's module behind Fabric's wrapper and DDP (stage 1)."""
-    module = getattr(module, "_forward_module", module)  # lightning.fabric's _FabricModule
-    return module.module if isinstance(module, DistributedDataParallel) else module
-
-
-@torch.no_grad()
-def broadcast_module(module: nn.Module) -> None:
-    """Every rank takes rank 0's parameters and buffers (what DDP's construction does), for
-    stage-1 models that are not wrapped in DDP because nothing in them trains."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    for t in [*module.parameters(), *module.buffers()]:
-        dist.broadcast(t.data, src=0)

@@ -1,0 +1,346 @@
+"""Layer: session. ``ZeroSession``: the whole ZeRO lifecycle on one rank, with no training
+framework imported.
+
+    session = ZeroSession.start(config, rank=r, world_size=n, ranks_per_node=k, device=dev,
+                                precision=PrecisionPolicy("bf16-mixed"), where="MyLoop", init=init_fn)
+    model = session.prepare(model)                   # stage 1: DDP; stages 2/3: FSDP2 in place
+    optimizer = session.adopt(optimizer, fix="...")  # re-pointed by name, then wrapped
+    for batch in data:
+        with session.phase(Phase.FORWARD):
+            loss = model(batch)
+        with session.phase(Phase.BACKWARD):
+            loss.backward()
+        session.after_backward([model])              # replicated 0-dim grads averaged
+        session.clip_grad_norm(optimizer, 1.0)       # global norm over every rank's shard
+        if not session.check_step(named_parameters([model]), loss):
+            optimizer.step()
+    session.save(path, {"model": model}, {"optimizer": optimizer}, {"step": n}, full=False)
+    session.close()
+
+The three front-ends are adapters over this object: the Lightning strategy
+(``strategy.py``), the Fabric strategy (``fabric.py``) and ``ZeroPPAccelerator``
+(``accelerate/``) translate their framework's hooks into these calls and hold no lifecycle
+logic of their own. What is below it: ``engine.core.ZeroEngine`` applies the config to
+modules and optimizers (one ``prepare`` for every stage), ``engine.guards`` keeps the ranks
+in step, ``checkpoint`` writes and reads, ``comm`` moves and books the bytes.
+
+Order of ``start`` (every rank, the same): the checks that need the job size (config vs
+world size, NVMe paths) before any collective, so a bad value raises on every rank instead
+of hanging the others; then the process group (created through the front-end's ``init``,
+or adopted); then the engine: topology, ledger, the config check across ranks (the first
+collective), meshes, precision, peer watchdog.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Generator, Iterable, Mapping
+from contextlib import ExitStack, contextmanager
+from datetime import timedelta
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+
+from zeropp_strategy.checkpoint.atomic import new_nonce
+from zeropp_strategy.checkpoint.objects import load_objects, save_objects
+from zeropp_strategy.comm import control
+from zeropp_strategy.comm.ledger import CommLedger, Phase
+from zeropp_strategy.config import ZeroConfig
+from zeropp_strategy.engine.core import ZeroEngine, close_offload
+from zeropp_strategy.engine.fsdp import ShardedRoot, fsdp_modules
+from zeropp_strategy.engine.guards import check_nonfinite, check_nonfinite_policy, unwrap
+from zeropp_strategy.engine.precision import (
+    PrecisionPolicy,
+    clip_grad_norm,
+    clip_grad_norm_params,
+    clip_grad_norm_rows,
+    clip_grad_value,
+)
+from zeropp_strategy.engine.process_group import check_offload_paths, connect
+from zeropp_strategy.fsdp_private import keep_unsharded_after_forward
+from zeropp_strategy.plan import Plan
+from zeropp_strategy.topology import Meshes, Topology
+
+__all__ = ["GradSync", "ZeroSession"]
+
+log = logging.getLogger(__name__)
+
+
+class GradSync(Enum):
+    """Whether backward communicates gradients (``ZeroSession.no_sync`` turns it off for
+    the micro-batches of an accumulation window)."""
+
+    ON = "on"
+    OFF = "off"
+
+
+class ZeroSession:
+    """ZeRO on this rank, from process group to close (see the module docstring).
+
+    Args of ``start``:
+        config: the validated ``ZeroConfig``.
+        rank, world_size, ranks_per_node: this process's place in the job.
+        device: this rank's device.
+        precision: the dtype policy (``engine.precision.PrecisionPolicy``, or a front-end
+            plugin built on it).
+        where: the front-end's name, for error messages ("ZeroPPStrategy" ...).
+        on_nonfinite: ``"ignore"``, ``"raise"`` or ``"skip"`` (``check_step``).
+        init: ``init(backend, **kwargs)`` creates the default process group (None: it
+            exists already, created by the framework).
+        backend, timeout: of that process group (backend default: ``default_backend``).
+        info: rank-zero logging of the front-end.
+        gather_16bit_default: what ``gather_16bit=None`` means for this front-end
+            (``plan.resolve``).
+    """
+
+    def __init__(self, engine: ZeroEngine, *, where: str, on_nonfinite: str = "ignore", backend: str = "gloo") -> None:
+        self.engine = engine
+        self.where = where
+        self.on_nonfinite = check_nonfinite_policy(on_nonfinite, where)
+        self.backend = backend
+        self.grad_sync = GradSync.ON
+        self.steps = 0  # optimizer steps checked by check_step
+        self.skipped_steps = 0  # of those, dropped by on_nonfinite="skip"
+        self._prepared: dict[int, nn.Module] = {}  # id(user's module) -> what prepare returned
+        self._checkpointed: set[int] = set()  # stage 1: modules given activation checkpointing
+        control.set_default_ledger(engine.ledger)
+
+    @classmethod
+    def start(
+        cls,
+        config: ZeroConfig,
+        *,
+        rank: int,
+        world_size: int,
+        ranks_per_node: int,
+        device: torch.device,
+        precision: PrecisionPolicy,
+        where: str,
+        on_nonfinite: str = "ignore",
+        init: Callable[..., None] | None = None,
+        backend: str | None = None,
+        timeout: timedelta | None = None,
+        info: Callable[[str], None] = log.info,
+        gather_16bit_default: bool = True,
+    ) -> ZeroSession:
+        check_nonfinite_policy(on_nonfinite, where)
+        config.validate_for_world(world_size, ranks_per_node)
+        check_offload_paths(config)
+        if init is not None:
+            backend = connect(config, device, init, backend=backend, timeout=timeout)
+        engine = ZeroEngine.start(config, rank=rank, world_size=world_size, ranks_per_node=ranks_per_node,
+                                  device=device, precision=precision, info=info,
+                                  gather_16bit_default=gather_16bit_default)
+        log.debug("%s", engine.plan.describe())
+        return cls(engine, where=where, on_nonfinite=on_nonfinite, backend=backend or "gloo")
+
+    # -- what the session holds -----------------------------------------------------------
+
+    @property
+    def config(self) -> ZeroConfig:
+        return self.engine.config
+
+    @property
+    def stage(self) -> int:
+        return self.engine.stage
+
+    @property
+    def ledger(self) -> CommLedger:
+        return self.engine.ledger
+
+    @property
+    def topology(self) -> Topology:
+        return self.engine.topology
+
+    @property
+    def meshes(self) -> Meshes:
+        return self.engine.meshes
+
+    @property
+    def precision(self) -> PrecisionPolicy:
+        return self.engine.precision
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
+    @property
+    def rank(self) -> int:
+        return self.engine.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.engine.world_size
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def plan(self) -> Plan:
+        """Every default of the config decided for this job (``plan.resolve``)."""
+        return self.engine.plan
+
+    @property
+    def state_dict_type(self) -> str:
+        return self.plan.state_dict_type
+
+    # -- modules and optimizers -------------------------------------------------------------
+
+    def prepare(self, module: nn.Module, *, train: bool = True, own_root: bool = False) -> nn.Module:
+        """``module`` set up for its stage; returns what forward goes through. Idempotent.
+
+        Stage 1 (in this order): meta tensors materialized, precision applied, moved to the
+        device, activation checkpointing on the selected blocks when ``train`` (once per
+        module), then DDP with the partitioned reduce, or, with ``train=False`` or nothing
+        to train, rank 0's values broadcast instead. Stages 2/3: precision, then FSDP2 on
+        the blocks and the root with our comm objects (``engine.fsdp.shard_module``'s
+        order), NVMe parameter store, placement. ``own_root``: FSDP2's root is a
+        ``ShardedRoot`` wrapping ``module`` (returned), for a framework that calls methods
+        of ``module`` other than forward ([Note: why a separate root] in engine/fsdp.py).
+        """
+        done = self._prepared.get(id(module))
+        if done is not None and (self.stage != 1 or isinstance(done, DistributedDataParallel) == train):
+            return done
+        if self.stage == 1:
+            checkpoint = train and id(module) not in self._checkpointed
+            if checkpoint:
+                self._checkpointed.add(id(module))
+            prepared = self.engine.prepare_module(module, train=train, checkpoint=checkpoint)
+        elif own_root:
+            prepared = self.engine.prepare_module(ShardedRoot(module), train=train)
+        else:
+            prepared = self.engine.prepare_module(module, train=train)
+        self._prepared[id(module)] = prepared
+        return prepared
+
+    def adopt(self, optimizer: Optimizer, *, fix: str | None = None) -> Optimizer:
+        """An optimizer over parameters of prepared modules, wrapped as the config asks
+        (stage 1's sharded state, offload). With ``fix`` (the front-end's advice), an
+        optimizer built before ``prepare`` is first re-pointed at the sharded parameters by
+        name, and one holding parameters of no prepared module is refused."""
+        if fix is None:
+            return self.engine.wrap_optimizer(optimizer)
+        return self.engine.adopt_optimizer(optimizer, fix=fix)
+
+    def module_to_device(self, module: nn.Module) -> None:
+        self.engine.module_to_device(module)
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def phase(self, phase: Phase) -> Any:
+        """The ledger's phase for the block (gathers are booked as forward or backward)."""
+        return self.ledger.phase(phase)
+
+    @contextmanager
+    def no_sync(self, module: nn.Module) -> Generator[None, None, None]:
+        """No gradient communication in backward (the micro-batches of an accumulation
+        window); ``after_backward`` then leaves the replicated grads alone too."""
+        self.grad_sync = GradSync.OFF
+        try:
+            with self.engine.no_sync(module):
+                yield
+        finally:
+            self.grad_sync = GradSync.ON
+
+    def after_backward(self, modules: Iterable[nn.Module]) -> None:
+        """Average the grads FSDP2 does not own (0-dim parameters), unless in ``no_sync``."""
+        if self.grad_sync is GradSync.ON:
+            for module in modules:
+                self.engine.reduce_replicated_grads(unwrap(module))
+
+    def clip_grad_norm(self, optimizer: Optimizer | None = None, max_norm: float = 1.0, *, norm_type: float = 2.0,
+                       parameters: Iterable[Tensor] | None = None) -> Tensor:
+        """Clip to the global norm over every rank's shard; returns the norm. Give the
+        ``optimizer`` (its shards are what it steps) or the ``parameters``."""
+        if optimizer is not None:
+            return clip_grad_norm(optimizer, float(max_norm), norm_type=float(norm_type), ledger=self.ledger)
+        clip = clip_grad_norm_rows if self.stage == 1 else clip_grad_norm_params
+        return clip(parameters, float(max_norm), norm_type=float(norm_type), ledger=self.ledger)
+
+    def clip_grad_value(self, optimizer: Optimizer, value: float) -> None:
+        clip_grad_value(optimizer, float(value))
+
+    def check_step(self, named_params: list[tuple[str, Tensor]], loss: Any, *, scaled: bool = False) -> bool:
+        """Before an optimizer step: the ``on_nonfinite`` policy (one flag all-reduce when
+        not ``"ignore"``). Returns True when the step is to be skipped (its grads dropped).
+        ``scaled``: fp16's loss scaler handles overflow itself; nothing is checked."""
+        step = self.steps
+        self.steps += 1
+        if self.on_nonfinite == "ignore" or scaled:
+            return False
+        skip = check_nonfinite(named_params, loss, policy=self.on_nonfinite, step=step, where=self.where,
+                               device=self.device, ledger=self.ledger)
+        self.skipped_steps += int(skip)
+        return skip
+
+    def reshard(self, modules: Iterable[nn.Module]) -> None:
+        """Free gathered parameters that only a backward would free (after a forward-only
+        loop: the root always, every block at stage 2)."""
+        for module in modules:
+            for group in fsdp_modules(module):
+                group.reshard()  # a no-op for a group that is already sharded
+
+    @contextmanager
+    def gather_for_generation(self, model: nn.Module, enabled: bool = True) -> Generator[None, None, None]:
+        """ZeRO-3's gather-once rule: within the block, every FSDP block of ``model`` stays
+        unsharded from its first forward until the block ends (one gather per block per
+        ``generate`` call instead of one per token). No-op for unsharded models."""
+        with ExitStack() as stack:
+            for block in fsdp_modules(model) if enabled else []:
+                stack.enter_context(keep_unsharded_after_forward(block))
+            yield
+
+    # -- state -----------------------------------------------------------------------------
+
+    def barrier(self) -> None:
+        control.barrier(ledger=self.ledger, device=self.device)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return control.broadcast_object(obj, src, ledger=self.ledger)
+
+    def save(self, path: str | Path, modules: Mapping[str, nn.Module], optimizers: Mapping[str, Optimizer],
+             rest: Mapping[str, Any], *, front_end: str, full: bool | None = None) -> None:
+        """Collective: named modules, optimizers and other entries, sharded (a directory
+        every rank writes) or full (one file from rank 0), published atomically."""
+        full = self.state_dict_type == "full" if full is None else full
+        save_objects(
+            Path(self.broadcast(str(path))), modules, optimizers, rest, full=full, rank_zero=self.is_global_zero,
+            barrier=self.barrier, broadcast=self.broadcast, unwrap=unwrap, ledger=self.ledger,
+            info={"stage": self.stage, "world_size": self.world_size, "config": self.config.to_dict(),
+                  "front_end": front_end},
+        )
+
+    def load(self, path: str | Path, modules: Mapping[str, nn.Module], optimizers: Mapping[str, Optimizer], *,
+             strict: bool = True, weights_only: bool | None = None) -> dict[str, Any]:
+        """Collective: load what ``save`` wrote (either format, any stage and rank count)
+        into ``modules`` and ``optimizers`` in place; returns the other entries."""
+        return load_objects(Path(self.broadcast(str(path))), modules, optimizers, strict=strict,
+                            weights_only=weights_only, unwrap=unwrap)
+
+    def new_nonce(self) -> str:
+        """A save's staging name, the same on every rank."""
+        return self.broadcast(new_nonce())
+
+    # -- the end ---------------------------------------------------------------------------
+
+    def explain(self, exception: BaseException) -> None:
+        """A collective that failed because another rank died: name that rank (waits at
+        most ``peer_timeout`` for the evidence). See [Note: peer watchdog]."""
+        if self.engine.watchdog is not None and not isinstance(exception, KeyboardInterrupt):
+            self.engine.watchdog.explain(exception)
+
+    def close(self, optimizers: Iterable[Any] = ()) -> None:
+        """Release what offload holds (swap files, mapped shards) and forget the modules."""
+        for optimizer in optimizers:
+            close_offload(optimizer)
+        for store in self.engine.param_stores:
+            store.close()
+        self.engine.param_stores.clear()
+        self.engine.forget_modules()
+        self._prepared.clear()
