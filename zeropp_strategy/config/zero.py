@@ -1,111 +1,36 @@
-"""ZeroConfig: the one typed, validated configuration of a ZeRO / ZeRO++ run.
-
-    from zeropp_strategy.config import ZeroConfig
-    cfg = ZeroConfig(stage=3, quantized_weights=True, hpz_partition_size=8, quantized_gradients=True)
-    cfg = ZeroConfig.from_file("ds_config.json")  # a DeepSpeed JSON, or our own YAML / JSON
-
-Every value is checked once, here, in ``__post_init__``: a bad value then fails on every rank
-before the first collective (an error on one rank alone would hang the others). Errors name the
-field, the value, why it is wrong and the fix; wrong types raise TypeError, bad values ValueError:
-
-    ZeroConfig.stage=4 is invalid: must be 1, 2 or 3. Fix: use stage=3 for full sharding, ...
-
-Checks that need the job size live in ``validate_for_world``. Stdlib + yaml only: no torch, no
-Lightning. Tests: python -m pytest tests/test_config.py -q
-"""
+"""Layer: plan (config). ``ZeroConfig`` and ``OffloadConfig``: the fields, their
+documentation and their checks (``__post_init__``), serialisation, and reading YAML, JSON
+or DeepSpeed files (see the package docstring)."""
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import hashlib
 import json
-import math
-import numbers
 import os
-import re
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import yaml
 
-__all__ = ["OffloadConfig", "ZeroConfig", "ZeroConfigWarning"]
+__all__ = ["NVME_PATH_ENV", "OffloadConfig", "ZeroConfig", "ZeroConfigWarning"]
+
+from zeropp_strategy.config.checks import (
+    REDUCE_DTYPE_NAMES,
+    ZeroConfigWarning,
+    _at_least,
+    _block_elems,
+    _bool,
+    _check_keys,
+    _int,
+    _invalid,
+    _seconds,
+)
+from zeropp_strategy.config.deepspeed import _from_deepspeed, _looks_like_deepspeed
 
 
-class ZeroConfigWarning(UserWarning):
-    """A setting was read but not used (e.g. DeepSpeed keys that have no ZeroConfig field)."""
-
-
-# -- checking helpers: every user error goes through _invalid, so all share one form ----------
-
-
-REDUCE_DTYPE_NAMES = ("fp32", "bf16", "fp16")
-"""``ZeroConfig.reduce_dtype`` values; the engine maps them to torch dtypes."""
-_DS_COMM_DTYPES = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16",
-                   "float16": "fp16", "half": "fp16"}
-
-
-def _invalid(where: str, value: object, why: str, fix: str, exc: type[Exception] = ValueError) -> NoReturn:
-    end = "" if fix.endswith((".", "?")) else "."
-    raise exc(f"{where}={value!r} is invalid: {why}. Fix: {fix}{end}")
-
-
-def _int(where: str, value: object, fix: str) -> int:
-    # bool is an int subclass, but True is never a sensible count: reject it.
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        _invalid(where, value, f"must be an int, not {type(value).__name__}", fix, TypeError)
-    return int(value)
-
-
-def _bool(where: str, value: object, fix: str) -> bool:
-    if not isinstance(value, bool):
-        _invalid(where, value, f"must be True or False, not {type(value).__name__}", fix, TypeError)
-    return value
-
-
-def _at_least(where: str, value: object, low: int, fix: str) -> int:
-    n = _int(where, value, fix)
-    if n < low:
-        _invalid(where, value, f"must be >= {low}", fix)
-    return n
-
-
-def _seconds(where: str, value: object, fix: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        _invalid(where, value, f"must be a number of seconds, not {type(value).__name__}", fix, TypeError)
-    if not math.isfinite(float(value)) or float(value) < 0:  # type: ignore[arg-type]
-        _invalid(where, value, "must be finite and >= 0", fix)
-    return float(value)  # type: ignore[arg-type]
-
-
-def _block_elems(where: str, value: object) -> int:
-    fix = "use a power of two between 32 and 65536, e.g. 256"
-    n = _int(where, value, fix)
-    if not (32 <= n <= 65536 and n & (n - 1) == 0):
-        _invalid(where, value, "must be a power of two between 32 and 65536 (one fp32 scale per block)", fix)
-    return n
-
-
-def _check_keys(d: Mapping[Any, Any], valid: tuple[str, ...], where: str) -> None:
-    """Reject unknown keys, suggesting the closest valid name: a typo must not pass silently."""
-    for key, value in d.items():
-        if not isinstance(key, str):
-            _invalid(f"{where}[{key!r}]", value, "keys must be field names (str)", f"use one of: {', '.join(valid)}",
-                     TypeError)
-        if key in valid:
-            continue
-        close = difflib.get_close_matches(key, valid, n=1)
-        if where == "ZeroConfig" and key in _DS_TOP_LEVEL_KEYS:
-            fix = "this looks like a DeepSpeed config; load it with ZeroConfig.from_deepspeed(...)"
-        else:
-            fix = f"did you mean {close[0]!r}?" if close else f"use one of: {', '.join(valid)}"
-        _invalid(f"{where}.{key}", value, "no such field", fix)
-
-
-#: Environment variable that supplies ``nvme_path`` when an NVMe offload block names none.
 NVME_PATH_ENV = "ZEROPP_NVME_PATH"
 
 
@@ -383,7 +308,7 @@ class ZeroConfig:
         if suffix != ".json":
             raise ValueError(f"ZeroConfig.from_file: {path} has suffix {suffix!r}. Fix: use a .json, .yaml or .yml file.")
         data = _load_json(path, "ZeroConfig.from_file")
-        if isinstance(data, Mapping) and _looks_like_deepspeed(data):
+        if isinstance(data, Mapping) and _looks_like_deepspeed(data, _FIELDS):
             return _from_deepspeed(cls, data, str(path), warn=True, stacklevel=3)
         return _from_loaded(cls, data, path, "ZeroConfig.from_file")
 
@@ -494,126 +419,3 @@ def _from_loaded(cls: type[ZeroConfig], data: object, path: object, who: str) ->
 # communication / parameter dtype; we count bytes. A size converts at 2 bytes per element when
 # bf16 or fp16 is enabled, else at 4 (fp32), so the buffers keep the size DeepSpeed gave them.
 
-_DS_ZERO_KEYS = {  # zero_optimization key -> (ZeroConfig field, kind); "elems" sizes become bytes
-    "stage": ("stage", "int"),
-    "zero_quantized_weights": ("quantized_weights", "value"),
-    "zero_hpz_partition_size": ("hpz_partition_size", "int"),
-    "zero_quantized_gradients": ("quantized_gradients", "value"),
-    "zero_quantized_nontrainable_weights": ("quantize_frozen_weights", "value"),
-    "reduce_bucket_size": ("reduce_bucket_bytes", "elems"),
-    "allgather_bucket_size": ("allgather_bucket_bytes", "elems"),
-}
-_DS_OFFLOAD_KEYS = {  # zero_optimization.offload_{optimizer,param} key -> (OffloadConfig field, kind)
-    "device": ("device", "value"),
-    "nvme_path": ("nvme_path", "value"),
-    "pin_memory": ("pin_memory", "value"),
-    "buffer_count": ("buffer_count", "int"),
-    "buffer_size": ("buffer_bytes", "elems"),
-}
-_DS_SAVE_KEYS = ("stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save")
-_DS_TOP_LEVEL_HINTS = {  # where the setting lives with Lightning instead
-    "gradient_clipping": "use Trainer(gradient_clip_val=...)",
-    "gradient_accumulation_steps": "use Trainer(accumulate_grad_batches=...)",
-    "bf16": "use Trainer(precision='bf16-mixed')",
-    "fp16": "use Trainer(precision='16-mixed')",
-    "amp": "use Trainer(precision=...)",
-    "train_micro_batch_size_per_gpu": "set your DataLoader batch_size",
-    "train_batch_size": "it is DataLoader batch_size x Trainer(accumulate_grad_batches) x world size",
-    "optimizer": "build it in LightningModule.configure_optimizers()",
-    "scheduler": "build it in LightningModule.configure_optimizers()",
-    "steps_per_print": "use Trainer(log_every_n_steps=...)",
-    "activation_checkpointing": "use ZeroConfig(activation_checkpointing=True)",
-}
-_DS_TOP_LEVEL_KEYS = frozenset(_DS_TOP_LEVEL_HINTS) | {
-    "zero_optimization", "wall_clock_breakdown", "zero_allow_untested_optimizer", "communication_data_type",
-    "prescale_gradients", "gradient_predivide_factor", "sparse_gradients", "flops_profiler", "tensorboard",
-    "wandb", "csv_monitor", "comms_logger", "aio", "elasticity", "checkpoint", "data_types",
-    "zero_force_ds_cpu_optimizer", "memory_breakdown", "dump_state",
-}
-_TRUE = (True, "true", "True")
-
-
-def _looks_like_deepspeed(d: Mapping[str, Any]) -> bool:
-    # "activation_checkpointing" is both a DeepSpeed block (a dict) and our bool field.
-    return any(k in _DS_TOP_LEVEL_KEYS and k not in _FIELDS for k in d) or isinstance(
-        d.get("activation_checkpointing"), Mapping)
-
-
-def _ds_int(key: str, value: object, source: str) -> int:
-    """5e8, "5e8", 500000000.0 -> 500000000; anything that is not a whole number is an error."""
-    number = value
-    if isinstance(value, str):
-        try:
-            number = float(value)
-        except ValueError:
-            pass
-    if isinstance(number, float) and number.is_integer():
-        return int(number)
-    if isinstance(number, numbers.Integral) and not isinstance(number, bool):
-        return int(number)
-    _invalid(f"ZeroConfig.from_deepspeed: {source}: {key}", value, "must be a whole number",
-             'write an integer such as 500000000 (or 5e8), or "auto" for our default')
-
-
-def _ds_block(d: Mapping[str, Any], key: str, source: str) -> Mapping[str, Any]:
-    block = d.get(key)
-    if block is not None and not isinstance(block, Mapping):
-        _invalid(f"ZeroConfig.from_deepspeed: {source}: {key}", block, "must be a JSON object",
-                 f'write "{key}": {{...}}', TypeError)
-    return block or {}
-
-
-def _from_deepspeed(cls: type[ZeroConfig], d: Mapping[str, Any], source: str, *, warn: bool,
-                    stacklevel: int) -> ZeroConfig:
-    half = any(_ds_block(d, k, source).get("enabled") in _TRUE for k in ("bf16", "fp16"))
-    elem_bytes = 2 if half else 4  # [Note: DeepSpeed sizes]
-    kwargs: dict[str, Any] = {}
-    origin: dict[str, str] = {}  # ZeroConfig field (dotted) -> DeepSpeed key, for error messages
-    ignored: list[str] = [k for k in d if k not in ("zero_optimization", "communication_data_type")]
-
-    def take(table: dict[str, tuple[str, str]], block: Mapping[str, Any], prefix: str, out: dict[str, Any]) -> None:
-        for key, value in block.items():
-            if key not in table:
-                ignored.append(f"{prefix}.{key}")
-            elif value != "auto":
-                name, kind = table[key]
-                if kind != "value":
-                    value = _ds_int(f"{prefix}.{key}", value, source) * (elem_bytes if kind == "elems" else 1)
-                out[name] = value
-                origin[(prefix.split(".", 1)[1] + "." if "." in prefix else "") + name] = f"{prefix}.{key}"
-
-    zero = _ds_block(d, "zero_optimization", source)
-    stage = zero.get("stage", 0)
-    if stage != "auto" and _ds_int("zero_optimization.stage", stage, source) == 0:
-        origin_note = "from zero_optimization.stage" if "stage" in zero else (
-            "zero_optimization.stage is missing, and DeepSpeed's default is 0")
-        _invalid("ZeroConfig.stage", stage, f"stage 0 is plain data parallel; use strategy='ddp' ({origin_note} "
-                 f"in {source})", "use strategy='ddp' for plain data parallel, or set zero_optimization.stage to 1, 2 or 3")
-    blocks = ("offload_optimizer", "offload_param", *_DS_SAVE_KEYS)
-    take(_DS_ZERO_KEYS, {k: v for k, v in zero.items() if k not in blocks}, "zero_optimization", kwargs)
-    for key in ("offload_optimizer", "offload_param"):
-        if block := _ds_block(zero, key, f"{source}: zero_optimization"):
-            take(_DS_OFFLOAD_KEYS, block, f"zero_optimization.{key}", sub := {})
-            kwargs[key] = sub
-    if any(zero.get(k) in _TRUE for k in _DS_SAVE_KEYS):
-        kwargs["state_dict_type"] = "full"
-    comm_dtype = d.get("communication_data_type")
-    if comm_dtype is not None and comm_dtype != "auto":
-        if str(comm_dtype).lower() not in _DS_COMM_DTYPES:
-            _invalid(f"ZeroConfig.from_deepspeed: {source}: communication_data_type", comm_dtype,
-                     f"must be one of {', '.join(sorted(_DS_COMM_DTYPES))}", 'write "bf16", "fp16" or "fp32"')
-        kwargs["reduce_dtype"] = _DS_COMM_DTYPES[str(comm_dtype).lower()]
-        origin["reduce_dtype"] = "communication_data_type"
-
-    try:
-        cfg = cls(**kwargs)
-    except (ValueError, TypeError) as e:  # point at the DeepSpeed key the bad value came from
-        m = re.match(r"ZeroConfig\.([\w.]+)=", str(e))
-        ds_key = origin.get(m.group(1)) if m else None
-        raise type(e)(f"{e} (from {ds_key or 'the DeepSpeed config'} in {source})") from None
-    if warn and ignored:
-        lines = "\n".join(f"  {k}" + (f": {_DS_TOP_LEVEL_HINTS[k]}" if k in _DS_TOP_LEVEL_HINTS else "")
-                          for k in ignored)
-        warnings.warn(f"ZeroConfig.from_deepspeed({source}) ignored {len(ignored)} DeepSpeed setting(s) that "
-                      f"ZeroConfig does not use:\n{lines}", ZeroConfigWarning, stacklevel=stacklevel)
-    return cfg
