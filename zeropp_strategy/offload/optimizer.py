@@ -43,107 +43,38 @@ model size; scalar state (``step``) stays in RAM (a few bytes per parameter).
 
 from __future__ import annotations
 
-import inspect
 import logging
-import math
 import weakref
-from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from zeropp_strategy.config import OffloadConfig
-from zeropp_strategy.offload.swap import ALIGN, SwapDir, SwapFile, aligned_buffer, wait
+from zeropp_strategy.offload.host_state import (
+    _FUSED_CPU,
+    _IMPL_KEYS,
+    _REFUSED,
+    _build,
+    _like_param,
+    _Piece,
+    _probe,
+    _release,
+    _StateView,
+    _Stream,
+)
+from zeropp_strategy.offload.nvme_stream import NvmeStream
+from zeropp_strategy.offload.swap import SwapDir
 from zeropp_strategy.primitives import WrappingOptimizer
 from zeropp_strategy.primitives import local as _local
 
 log = logging.getLogger(__name__)
 
-#: Keys of the user's param groups that choose an implementation, not the math.
-_IMPL_KEYS = ("foreach", "fused", "capturable", "differentiable")
-#: Optimizer classes whose fused CPU kernel we use when the user did not pick one.
-_FUSED_CPU = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
-_REFUSED = (torch.optim.LBFGS,)
 
-
-
-
-def _like_param(flat: Tensor, param: Tensor) -> Tensor:
-    """A flat host tensor shown in ``param``'s layout (a DTensor shard if ``param`` is one)."""
-    local = _local(param)
-    value = flat.view(local.shape)
-    if isinstance(param, DTensor):
-        return DTensor.from_local(
-            value, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
-        )
-    return value
-
-
-@dataclass
-class _Piece:
-    """Elements [start, stop) of one parameter's local (flattened) tensor."""
-
-    param: Tensor  # the user's parameter (DTensor or tensor) the optimizer holds
-    index: int  # position of ``param`` in the flattened param groups
-    group: int
-    start: int
-    stop: int
-    host: Tensor  # what the host optimizer steps (CPU, flat)
-    aliased: bool  # ``host`` is a view of the parameter itself (it lives on the host)
-    offset: int = 0  # NVMe: element offset of this piece in its stream
-    swapped: bool = False  # NVMe: state lives in swap files (else in host_optimizer.state)
-    initialized: bool = False  # NVMe: state exists (on disk)
-
-    @property
-    def numel(self) -> int:
-        return self.stop - self.start
-
-
-@dataclass
-class _Batch:
-    """NVMe: elements [start, stop) of a stream and the pieces inside them."""
-
-    start: int
-    stop: int
-    pieces: list[_Piece] = field(default_factory=list)
-
-
-def _probe(cls: type[Optimizer], defaults: Mapping[str, Any]) -> tuple[list[str], list[str]]:
-    """(elementwise state keys, scalar state keys) the optimizer creates, or an error."""
-    p = torch.zeros(2, 3, requires_grad=True)
-    p.grad = torch.ones(2, 3)
-    opt = _build(cls, [{"params": [p]}], defaults)
-    opt.step()
-    elementwise, scalar = [], []
-    for key, value in opt.state[p].items():
-        if not isinstance(value, Tensor):
-            continue
-        if key != "step" and value.shape == p.shape:
-            elementwise.append(key)
-        elif value.numel() == 1:
-            scalar.append(key)
-        else:
-            raise TypeError(
-                f"offload_optimizer cannot run {cls.__name__}: its state {key!r} has shape {tuple(value.shape)} for a "
-                f"parameter of shape {tuple(p.shape)}, so its update is not elementwise and would be computed per "
-                "shard on the host. Fix: use an elementwise optimizer (Adam, AdamW, SGD, Adagrad, RMSprop, ...) or "
-                "set offload_optimizer='none'."
-            )
-    return elementwise, scalar
-
-
-def _build(cls: type[Optimizer], groups: list[dict[str, Any]], defaults: Mapping[str, Any]) -> Optimizer:
-    accepted = inspect.signature(cls.__init__).parameters
-    kwargs = {k: v for k, v in defaults.items() if k in accepted and k != "params"}
-    return cls(groups, **kwargs)
-
-
-class OffloadOptimizer(WrappingOptimizer):
+class OffloadOptimizer(NvmeStream, WrappingOptimizer):
     """Runs ``optimizer``'s update on the host, with state in host RAM or NVMe swap files.
 
     Args:
@@ -260,55 +191,6 @@ class OffloadOptimizer(WrappingOptimizer):
         self._by_param.setdefault(id(p), []).append(piece)
         return piece
 
-    def _layout_nvme(self, params: list[tuple[int, Tensor]], *, direct_io: bool, io_block_bytes: int) -> None:
-        assert self._swap_dir is not None and self._pool is not None
-        by_dtype: dict[torch.dtype, list[tuple[int, int, Tensor]]] = {}
-        for index, (gi, p) in enumerate(params):
-            by_dtype.setdefault(p.dtype, []).append((index, gi, p))
-        cfg = self.config
-        k = max(1, len(self._elementwise))
-        needed = 0
-        for dtype, entries in by_dtype.items():
-            esize = torch.empty((), dtype=dtype).element_size()
-            # One buffer holds a batch's state (k keys) plus, when some parameter lives on an
-            # accelerator, staging for its values and grads (host-resident ones are stepped in place).
-            staging = 2 if any(_local(p).device.type != "cpu" for _, _, p in entries) else 0
-            per_elem = esize * (k + staging)
-            batch = max(ALIGN // esize, (cfg.buffer_bytes // per_elem) // (ALIGN // esize) * (ALIGN // esize))
-            total = sum(_local(p).numel() for _, _, p in entries)
-            stream = _Stream(dtype, esize, batch, total, staging)
-            offset = 0
-            for index, gi, p in entries:
-                n = _local(p).numel()
-                if n == 0:  # an empty shard: stepped in RAM (it has state, as without offload, but no bytes)
-                    self._ram_pieces.append(self._add_piece(p, index, gi, 0, 0, offset))
-                    continue
-                start = 0
-                while start < n:  # cut at batch boundaries of the stream
-                    stop = min(n, start + batch - (offset % batch))
-                    piece = self._add_piece(p, index, gi, start, stop, offset, swapped=True)
-                    stream.batch_of(offset).pieces.append(piece)
-                    offset += stop - start
-                    start = stop
-            needed += len(self._elementwise) * math.ceil(total * esize / ALIGN) * ALIGN
-            self._streams[dtype] = stream
-        self._swap_dir.ensure_space(needed)
-        for dtype, stream in self._streams.items():
-            name = str(dtype).replace("torch.", "")
-            stream.files = {
-                key: SwapFile(self._swap_dir.path / f"{key}.{name}.swap", stream.total * stream.esize, self._pool,
-                              direct=direct_io, io_block_bytes=io_block_bytes)
-                for key in self._elementwise
-            }
-            stream.buffers = [
-                aligned_buffer(stream.batch * stream.esize * (len(self._elementwise) + stream.staging), pin=self._pin)
-                for _ in range(cfg.buffer_count)
-            ]
-        log.info("zeropp: optimizer state swaps to %s (%d bytes on disk)", self._swap_dir.path, needed)
-
-    # -- Optimizer surface ----------------------------------------------------------------
-
-    @property
     def state(self) -> Mapping[Tensor, dict[str, Any]]:  # type: ignore[override]
         """The state of each parameter, in the parameter's own layout (read-only view)."""
         return _StateView(self)
@@ -404,93 +286,6 @@ class OffloadOptimizer(WrappingOptimizer):
             self._run_host_step(active)
 
     # -- NVMe pipeline ------------------------------------------------------------------------
-
-    def _regions(
-        self, stream: _Stream, buf: Tensor, batch: _Batch
-    ) -> tuple[dict[str, Tensor], Tensor | None, Tensor | None]:
-        """Typed views of one buffer: each state key's batch, then values and grads staging."""
-        n = stream.batch
-        typed = buf.view(stream.dtype)
-        keys = {key: typed[i * n : i * n + (batch.stop - batch.start)] for i, key in enumerate(self._elementwise)}
-        k = len(self._elementwise)
-        if not stream.staging:
-            return keys, None, None
-        return keys, typed[k * n : (k + 1) * n], typed[(k + 1) * n : (k + 2) * n]
-
-    def _io(self, stream: _Stream, buf: Tensor, batch: _Batch, write: bool) -> list[Future]:
-        futures: list[Future] = []
-        nbytes = -(-(batch.stop - batch.start) * stream.esize // ALIGN) * ALIGN
-        for i, key in enumerate(self._elementwise):
-            region = buf[i * stream.batch * stream.esize :][:nbytes]
-            file = stream.files[key]
-            offset = batch.start * stream.esize
-            futures += file.write_from(region, offset) if write else file.read_into(region, offset)
-        return futures
-
-    def _step_stream(self, stream: _Stream) -> None:
-        nb = len(stream.batches)
-        slots = len(stream.buffers)
-        reads: dict[int, list[Future]] = {}
-        writes: dict[int, list[Future]] = {}  # slot -> pending write-back of the batch using it
-
-        def start_read(b: int) -> None:
-            slot = b % slots
-            wait(writes.get(slot, []))  # the buffer is free once its last batch is on disk
-            writes.pop(slot, None)  # (only once all its requests are done: see finally below)
-            batch = stream.batches[b]
-            if self._on_prefetch is not None:
-                self._on_prefetch(list({id(pc.param): pc.param for pc in batch.pieces}.values()))
-            if any(pc.initialized for pc in batch.pieces):
-                reads[b] = self._io(stream, stream.buffers[slot], batch, write=False)
-            else:
-                reads[b] = []
-
-        for b in range(min(nb, slots - 1)):
-            start_read(b)
-        try:
-            for b in range(nb):
-                batch = stream.batches[b]
-                buf = stream.buffers[b % slots]
-                keys, values, grads = self._regions(stream, buf, batch)
-                active = self._bind(batch.pieces, values, grads)
-                wait(reads[b])
-                del reads[b]
-                for pc in active:
-                    lo = pc.offset - batch.start
-                    state = self.host_optimizer.state[pc.host]
-                    if pc.initialized:
-                        for key in self._elementwise:
-                            state[key] = keys[key][lo : lo + pc.numel]
-                        state.update(stream.scalars[id(pc)])
-                if active:
-                    self._run_host_step(active)
-                fresh = False  # the optimizer created state for this batch (first step)
-                for pc in active:
-                    state = self.host_optimizer.state.pop(pc.host)
-                    lo = pc.offset - batch.start
-                    for key in self._elementwise:
-                        view = keys[key][lo : lo + pc.numel]
-                        if state[key].data_ptr() != view.data_ptr():  # first step: created by the optimizer
-                            view.copy_(state[key])
-                            fresh = True
-                    stream.scalars[id(pc)] = {k: v for k, v in state.items() if k not in self._elementwise}
-                    pc.initialized = True
-                if fresh:
-                    del state
-                    _trim_heap()
-                if active:
-                    writes[b % slots] = self._io(stream, buf, batch, write=True)
-                if b + slots - 1 < nb:  # after the step: write-back of batch b-1 had a step's time
-                    start_read(b + slots - 1)
-            for slot in list(writes):
-                wait(writes[slot])
-                del writes[slot]
-        finally:  # on error, let in-flight requests finish before buffers can be reused
-            for futures in [*reads.values(), *writes.values()]:
-                for f in futures:
-                    f.exception()
-
-    # -- state in the parameters' layout (checkpoints) ---------------------------------------
 
     def _param_state(self, p: Tensor) -> dict[str, Any]:
         pieces = self._by_param.get(id(p), [])
@@ -613,91 +408,3 @@ class OffloadOptimizer(WrappingOptimizer):
     @property
     def closed(self) -> bool:
         return not self._finalizer.alive
-
-
-def _trim_heap() -> None:
-    """Give freed heap pages back to the OS (glibc): the first NVMe step creates each batch's
-    state in fresh tensors that are freed at once, and without a trim the fragmented heap
-    keeps about one state tensor per batch resident (measured: +24 MiB for 48 MiB of state)."""
-    global _LIBC
-    if _LIBC is None:
-        try:
-            import ctypes
-
-            _LIBC = ctypes.CDLL("libc.so.6")
-            _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
-        except (OSError, AttributeError):
-            _LIBC = False
-    if _LIBC:
-        _LIBC.malloc_trim(0)
-
-
-_LIBC: Any = None
-
-
-def _release(streams: dict[torch.dtype, _Stream], pool: ThreadPoolExecutor | None, swap_dir: SwapDir | None) -> None:
-    for stream in streams.values():
-        stream._maps = {}
-        for f in stream.files.values():
-            f.close()
-        stream.buffers = []
-    if pool is not None:
-        pool.shutdown(wait=True)
-    if swap_dir is not None:
-        swap_dir.close()
-
-
-class _Stream:
-    """NVMe: all parameters of one dtype, as one flat array per state key."""
-
-    def __init__(self, dtype: torch.dtype, esize: int, batch: int, total: int, staging: int) -> None:
-        self.dtype = dtype
-        self.staging = staging  # 2: buffers also stage values and grads of accelerator params
-        self.esize = esize
-        self.batch = batch
-        self.total = total
-        self.batches = [_Batch(s, min(total, s + batch)) for s in range(0, total, batch)]
-        self.files: dict[str, SwapFile] = {}
-        self.buffers: list[Tensor] = []
-        self.scalars: dict[int, dict[str, Any]] = {}
-        self._maps: dict[str, Tensor] = {}
-
-    def batch_of(self, offset: int) -> _Batch:
-        return self.batches[offset // self.batch]
-
-    def mapped(self, key: str) -> Tensor:
-        if key not in self._maps:
-            self._maps[key] = self.files[key].mapped(self.dtype, self.total)
-        return self._maps[key]
-
-    def drop_maps(self) -> None:
-        if self._maps:
-            self._maps = {}
-            for f in self.files.values():
-                f.sync()
-
-
-class _StateView(Mapping):
-    """``optimizer.state`` for code that reads it by parameter (checkpoints, tools)."""
-
-    def __init__(self, owner: OffloadOptimizer) -> None:
-        self._owner = owner
-
-    def _params(self) -> list[Tensor]:
-        return [p for g in self._owner.optimizer.param_groups for p in g["params"]]
-
-    def __getitem__(self, p: Tensor) -> dict[str, Any]:
-        state = self._owner._param_state(p)
-        if not state:
-            raise KeyError(p)
-        return state
-
-    def get(self, p: Tensor, default: Any = None) -> Any:  # type: ignore[override]
-        state = self._owner._param_state(p)
-        return state if state else default
-
-    def __iter__(self) -> Iterator[Tensor]:
-        return (p for p in self._params() if self._owner._param_state(p))
-
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
