@@ -30,10 +30,34 @@ For the 2 x 2 simulated cluster: reduce-scatter crosses with s e per rank (flat
 all-to-all 2 s e, gloo's all-reduce-based one 3 s e); all-gather 4 s e in all against
 the ring's 6 s e. Measured on the veth by benchmarks/volume.py (docs/benchmarks_volume.md).
 
-Sums run in fp32 when the wire dtype is 16-bit (``reduce_dtype="bf16"``): each element is
-rounded to bf16 once per hop, never accumulated in bf16. AVG divides the sum by W after
-the last hop. Backends with a native reduce-scatter (NCCL) keep it: NCCL's ring and tree
-algorithms already reach these volumes.
+The local sums: AVG multiplies every summand by 1/W before the first sum, the multiply
+DDP applies to its bucket, so the summands are DDP's bit for bit. The sum itself is either
+gloo's ring order (``ring_order``, [Note: ring order]) or, where no order is given, exact
+in fp64 and rounded once into the output: the same bits whatever the order of the ranks.
+A 16-bit wire (``reduce_dtype="bf16"``) rounds each element to bf16 once per hop, never
+while accumulating. Backends with a native reduce-scatter (NCCL) keep it: NCCL's ring and
+tree algorithms already reach these volumes.
+
+[Note: ring order]
+The same W fp32 values added in two orders may differ in the last bit, and when the ranks'
+gradients nearly cancel that bit is not small downstream: Adam's first step moves a
+weight by ``lr x g / (|g| + eps)``, so an error dg moves it by ``lr x eps x dg / (|g| +
+eps)^2``, where dg is an ulp of the summands, not of g. Measured (tests/test_parity.py,
+4 ranks, 2 micro-batches, lr 1e-2): one gradient of four ~1e-3 summands sums to 8.7e-8
+(~9 eps); rank order and gloo's order differ by 1.2e-10, the weight by 1.24e-6.
+To give DDP's bits, the local sum adds the W values of each element in the order gloo's
+ring all-reduce (DDP's host collective) does. gloo's ``ring()`` (allreduce.cc) cuts a
+buffer of n elements of e bytes into ``S = roundup(max(ceil(n e / 1 MiB), 2 W), W)``
+segments of ``ceil(n / S)`` elements; block k (segments k S/W .. (k+1) S/W - 1) starts
+at rank k-1, which sends it to rank k-2, which adds its own values, and so on down to
+rank k: ``((x[k-1] + x[k-2]) + x[k-3]) + ... + x[k]`` (ranks mod W). ``ring_blocks``
+maps an element's offset in the all-reduced buffer to its k; the caller that knows that
+buffer passes them as ``reduce_scatter(..., ring_order=...)`` (stage 1: DDP's own
+bucket), and tests/test_ring_order.py checks the bits against ``dist.all_reduce`` on 2,
+3 and 4 ranks. FSDP2's buffers (stages 2/3) are not DDP's, so no order is DDP's there:
+the exact fp64 sum leaves only DDP's own rounding between the two (0.6e-6 in that
+measurement). The two-hop path sums within the node first and uses the fp64 sums too.
+Two summands commute: on 2 ranks every order gives gloo's bits.
 
 Every function returns ``None`` (``async_op=False``) or a ``dist.Work`` whose ``wait()``
 finishes the collective: the first hop is in flight when the call returns, the local sums
@@ -52,7 +76,7 @@ import torch.distributed as dist
 from zeropp_strategy.comm.ledger import CommKind, CommLedger
 from zeropp_strategy.topology import Topology
 
-__all__ = ["NodeGroups", "PendingWork", "all_gather", "has_native_reduce_scatter", "reduce_scatter"]
+__all__ = ["NodeGroups", "PendingWork", "all_gather", "has_native_reduce_scatter", "reduce_scatter", "ring_blocks"]
 
 _ReduceOp = dist.ReduceOp | dist.ReduceOp.RedOpType
 
@@ -157,6 +181,21 @@ def _sum_dtype(dtype: torch.dtype) -> torch.dtype:
 
 # -- reduce-scatter -----------------------------------------------------------------------
 
+_GLOO_MAX_SEGMENT_BYTES = 1 << 20  # gloo's AllreduceOptions::kMaxSegmentSize; torch keeps the default
+
+
+def ring_blocks(offsets: torch.Tensor, numel: int, world: int, element_bytes: int) -> torch.Tensor:
+    """Per element at ``offsets`` of a buffer of ``numel`` elements of ``element_bytes``
+    that gloo's ring all-reduces over ``world`` ranks: the block it falls in, which sets
+    the order its W values are added in ([Note: ring order])."""
+    if numel <= 0 or world < 1:
+        raise ValueError(f"ring_blocks: numel={numel}, world={world}; both must be positive. Fix: pass the "
+                         "all-reduced buffer's element count and the group size.")
+    max_segment_elems = max(1, _GLOO_MAX_SEGMENT_BYTES // element_bytes)
+    segments = -(-max(-(-numel // max_segment_elems), 2 * world) // world) * world
+    block_elems = -(-numel // segments) * (segments // world)
+    return torch.div(offsets, block_elems, rounding_mode="floor").to(torch.int64)
+
 
 def reduce_scatter(
     output: torch.Tensor,
@@ -169,11 +208,15 @@ def reduce_scatter(
     kind: CommKind,
     nodes: NodeGroups | None,
     async_op: bool = False,
+    ring_order: torch.Tensor | None = None,
 ) -> dist.Work | None:
     """Reduce ``input`` (W chunks of ``output.numel()``) over ``group``; this rank keeps its
     chunk in ``output``. ``ranks``: the group's global ranks (``group_ranks(group)``).
     ``input`` travels in its own dtype (the wire dtype); ``output`` may be wider (fp32 sums
-    of bf16 gradients land in fp32 without a last rounding).
+    of bf16 gradients land in fp32 without a last rounding). ``ring_order``: per element
+    of ``output``, its ``ring_blocks`` in the buffer DDP all-reduces; the flat path then
+    adds in gloo's ring order, DDP's bits ([Note: ring order]). Without it (and in the
+    two-hop path) the sum is exact in fp64, rounded once into ``output``.
 
     Bytes per rank: see [Note: two-hop collectives]; the ledger books what each hop sends.
     """
@@ -189,6 +232,9 @@ def reduce_scatter(
         return _finish(work, lambda: output.copy_(wire.view_as(output)), async_op)
     if input.numel() != world * s:
         raise ValueError(f"reduce_scatter: input has {input.numel()} elements, expected {world} x {s}")
+    if ring_order is not None and tuple(ring_order.shape) != (s,):
+        raise ValueError(f"reduce_scatter: ring_order has shape {tuple(ring_order.shape)}, expected ({s},). Fix: "
+                         "one ring_blocks value per element of output.")
     avg = op == dist.ReduceOp.AVG
     if nodes is not None and nodes.two_hop(ranks):
         return _reduce_scatter_two_hop(output, input, nodes, ledger, kind, avg, async_op)
@@ -198,16 +244,57 @@ def reduce_scatter(
     work = dist.all_to_all_single(recv, input.reshape(-1).contiguous(), group=group, async_op=True)
 
     def then() -> None:
-        _sum_into(output, recv.view(world, s), world if avg else None)
+        parts = recv.view(world, s)
+        if ring_order is None:
+            _sum_into(output, parts, world if avg else None)
+        else:
+            _ring_sum_into(output, parts, ring_order, world if avg else None)
 
     return _finish(work, then, async_op)
 
 
+def _prescaled(parts: torch.Tensor, divide_by: int | None) -> torch.Tensor:
+    """AVG: every summand times 1/W before any sum, DDP's own multiply (so the summands are
+    DDP's bit for bit; W = 3 or 6 round differently otherwise), in the sum dtype (a 16-bit
+    wire is widened first). ``parts`` is this module's own receive buffer: fp32 is scaled
+    in place."""
+    if divide_by is None:
+        return parts
+    return parts.to(_sum_dtype(parts.dtype)).mul_(1.0 / divide_by)
+
+
+def _rounded_sum(parts: torch.Tensor) -> torch.Tensor:
+    """Sum over dim 0 where no order is asked for: floating summands add in fp64 (exact for
+    a few fp32 ranks), so the caller's cast rounds the true sum once, the same bits for
+    any order of the W parts ([Note: ring order])."""
+    acc = torch.float64 if parts.is_floating_point() else parts.dtype
+    total = parts[0].to(acc, copy=True)
+    wide = torch.empty_like(total)
+    for row in parts[1:]:
+        total.add_(wide.copy_(row))  # same-dtype adds: a mixed-dtype add_ measured twice as slow
+    return total
+
+
 def _sum_into(output: torch.Tensor, parts: torch.Tensor, divide_by: int | None) -> None:
-    """output = sum over dim 0 of ``parts`` (in fp32 for 16-bit parts), / divide_by."""
-    total = parts.sum(dim=0, dtype=_sum_dtype(parts.dtype))
-    if divide_by is not None:
-        total.div_(divide_by)
+    """output = the sum over dim 0 of ``parts`` (each scaled by 1/divide_by first)."""
+    output.copy_(_rounded_sum(_prescaled(parts, divide_by)).view_as(output))
+
+
+def _ring_sum_into(output: torch.Tensor, parts: torch.Tensor, blocks: torch.Tensor, divide_by: int | None) -> None:
+    """``_sum_into`` with each column's W values added in gloo's ring order for its block
+    ([Note: ring order]), in the wire dtype as gloo does (fp32 for a 16-bit wire). One pass
+    per run of equal blocks: a chunk in buffer order (or reversed) has at most W runs."""
+    world, n = parts.shape
+    parts = _prescaled(parts, divide_by)
+    total = torch.empty(n, dtype=_sum_dtype(parts.dtype), device=parts.device)
+    values, counts = torch.unique_consecutive(blocks, return_counts=True)
+    at = 0
+    for k, c in zip(values.tolist(), counts.tolist(), strict=True):
+        acc = total[at : at + c]
+        acc.copy_(parts[(k - 1) % world, at : at + c])
+        for j in range(2, world + 1):
+            acc.add_(parts[(k - j) % world, at : at + c])
+        at += c
     output.copy_(total.view_as(output))
 
 
@@ -226,11 +313,12 @@ def _reduce_scatter_two_hop(
 
     def then() -> None:
         # recv[l'] = node peer l''s chunks of ranks (m, l) for every m: (L, M, s) -> partial (M, s)
-        partial = recv.view(L, M * s).sum(dim=0, dtype=_sum_dtype(recv.dtype)).to(input.dtype)
+        # AVG scales the W summands here, before the first sum, as DDP scales its bucket
+        partial = _rounded_sum(_prescaled(recv.view(L, M * s), t.world_size if avg else None)).to(input.dtype)
         across = torch.empty_like(partial)
         ledger.record(kind, {m * L + t.local_rank: s * e for m in range(M)})
         dist.all_to_all_single(across, partial, group=nodes.inter_group)
-        _sum_into(output, across.view(M, s), t.world_size if avg else None)
+        _sum_into(output, across.view(M, s), None)
 
     return _finish(work, then, async_op)
 

@@ -13,6 +13,9 @@ Per bucket (a flat buffer of whole gradients, in DDP's order):
 3. reduce-scatter it (comm/hierarchical.py: all-to-all plus a local sum on gloo, two hops
    across nodes), on the comm thread ([Note: comm thread]); write this rank's C reduced
    elements back into its rows of the bucket; all-reduce the 0-dim gradients whole.
+   The local sum adds each element's N values in the order gloo's ring all-reduce of
+   this bucket would (``ring_order``, [Note: ring order] in comm/hierarchical.py), so
+   the rows are DDP's bit for bit on any number of ranks of one node.
 Bytes per rank: C x wire bytes to each peer (booked ``GRAD_REDUCE``), plus 8 bytes of
 all-reduce per 0-dim gradient in the bucket.
 """
@@ -27,7 +30,7 @@ import torch.distributed as dist
 
 from zeropp_strategy.comm.collectives import all_reduce, group_ranks
 from zeropp_strategy.comm.comm_thread import CommThread, ThreadGroups
-from zeropp_strategy.comm.hierarchical import reduce_scatter
+from zeropp_strategy.comm.hierarchical import reduce_scatter, ring_blocks
 from zeropp_strategy.comm.ledger import CommKind, CommLedger
 from zeropp_strategy.engine.stage1 import row_range
 
@@ -41,13 +44,14 @@ class _Layout:
     segments: tuple[tuple[tuple[int, int], ...], ...]  # [rank] -> ((start, stop) per gradient)
     chunk_elems: tuple[int, ...]  # per gradient: chunk_rows * row elements (padded share)
     scalars: tuple[int, ...]  # buffer offsets of the 0-dim gradients
+    ring_order: torch.Tensor  # per element of this rank's chunk: its gloo ring block in the bucket
 
     @property
     def chunk(self) -> int:
         return sum(self.chunk_elems)
 
 
-def _layout(params: list[torch.Tensor], numel: int, world: int) -> _Layout:
+def _layout(params: list[torch.Tensor], numel: int, world: int, rank: int, element_bytes: int) -> _Layout:
     offset = 0
     segments: list[list[tuple[int, int]]] = [[] for _ in range(world)]
     chunk_elems: list[int] = []
@@ -67,7 +71,13 @@ def _layout(params: list[torch.Tensor], numel: int, world: int) -> _Layout:
             f"zeropp stage 1: a DDP gradient bucket holds {numel} elements but its parameters {offset}; this "
             "torch lays buckets out in a way the partitioned reduce does not know. Please report it with the "
             "torch version.")
-    return _Layout(tuple(tuple(s) for s in segments), tuple(chunk_elems), tuple(scalars))
+    # This rank's chunk, element by element: its offset in the bucket; a padding element
+    # takes its gradient's last offset (it is summed, never written back).
+    offsets = [torch.zeros(0, dtype=torch.int64)]
+    for (a, b), c in zip(segments[rank], chunk_elems, strict=True):
+        offsets += [torch.arange(a, b), torch.full((c - (b - a),), max(a, b - 1))]
+    return _Layout(tuple(tuple(s) for s in segments), tuple(chunk_elems), tuple(scalars),
+                   ring_blocks(torch.cat(offsets), numel, world, element_bytes))
 
 
 @dataclass
@@ -88,7 +98,8 @@ class PartitionedReduce:
         key = tuple(id(p) for p in params)
         found = self._layouts.get(key)
         if found is None:
-            found = self._layouts[key] = _layout(params, bucket.buffer().numel(), self.world)
+            buffer = bucket.buffer()
+            found = self._layouts[key] = _layout(params, buffer.numel(), self.world, self.rank, buffer.element_size())
         return found
 
     @torch.no_grad()
@@ -108,7 +119,7 @@ class PartitionedReduce:
             mine = torch.empty(layout.chunk, dtype=wire, device=buffer.device)
             reduce_scatter(mine, send, group=self.groups.world, ranks=group_ranks(self.groups.world),
                            op=dist.ReduceOp.SUM, ledger=self.ledger, kind=CommKind.GRAD_REDUCE,
-                           nodes=self.groups.nodes)
+                           nodes=self.groups.nodes, ring_order=layout.ring_order)
             at = 0
             for (a, b), c in zip(layout.segments[me], layout.chunk_elems):
                 buffer[a:b].copy_(mine[at : at + b - a])
