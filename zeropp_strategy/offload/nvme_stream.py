@@ -75,9 +75,6 @@ class NvmeStream:
             ]
         log.info("zeropp: optimizer state swaps to %s (%d bytes on disk)", self._swap_dir.path, needed)
 
-    # -- Optimizer surface ----------------------------------------------------------------
-
-    @property
     def _regions(
         self, stream: _Stream, buf: Tensor, batch: _Batch
     ) -> tuple[dict[str, Tensor], Tensor | None, Tensor | None]:
@@ -162,6 +159,3 @@ class NvmeStream:
             for futures in [*reads.values(), *writes.values()]:
                 for f in futures:
                     f.exception()
-
-    # -- state in the parameters' layout (checkpoints) ---------------------------------------
-

@@ -191,6 +191,9 @@ class OffloadOptimizer(NvmeStream, WrappingOptimizer):
         self._by_param.setdefault(id(p), []).append(piece)
         return piece
 
+    # -- Optimizer surface ----------------------------------------------------------------
+
+    @property
     def state(self) -> Mapping[Tensor, dict[str, Any]]:  # type: ignore[override]
         """The state of each parameter, in the parameter's own layout (read-only view)."""
         return _StateView(self)
@@ -285,7 +288,7 @@ class OffloadOptimizer(NvmeStream, WrappingOptimizer):
         if active:
             self._run_host_step(active)
 
-    # -- NVMe pipeline ------------------------------------------------------------------------
+    # -- state in the parameters' layout (checkpoints) ---------------------------------------
 
     def _param_state(self, p: Tensor) -> dict[str, Any]:
         pieces = self._by_param.get(id(p), [])
