@@ -21,11 +21,7 @@ import torch.distributed as dist
 from zeropp_strategy.comm.comm_thread import BackwardDeferral, ThreadGroups
 from zeropp_strategy.comm.hierarchical import NodeGroups, all_gather, native_all_gather, reduce_scatter
 from zeropp_strategy.comm.ledger import CommKind, CommLedger, Phase
-
-try:  # the comm ABCs are public API but only exported from the private module
-    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
-except ImportError:  # pragma: no cover - a torch that re-exports them publicly
-    from torch.distributed.fsdp import AllGather, ReduceScatter  # type: ignore[attr-defined,no-redef]
+from zeropp_strategy.fsdp_private import AllGather, ReduceScatter  # FSDP2's comm-object bases
 
 __all__ = [
     "LedgerAllGather",
