@@ -65,3 +65,41 @@ def test_embedded_recipe_is_valid_and_bad_recipes_name_the_block(tmp_path):
         load_recipe(str(bad))
     with pytest.raises(FileNotFoundError, match="no such file"):
         load_recipe(str(tmp_path / "missing.yaml"))
+
+
+GRPO_RECIPE = {
+    "trainer": RECIPE["trainer"],
+    "sft": RECIPE["sft"],
+    "grpo": {"model": {"rollout_batch_size": 2, "num_generations": 4, "mini_batch_size": 8, "max_new_tokens": 3,
+                       "lr": 1e-3},
+             "trainer": {"max_epochs": 1, "limit_train_batches": 2, "limit_val_batches": 1}},
+}
+
+
+def test_pipeline_rl_grpo_runs_sft_then_grpo_and_writes_the_summary(tmp_path):
+    """``--rl grpo``: no reward stage, the summary names the RL stage and has the GRPO fields."""
+    recipe = tmp_path / "small_grpo.yaml"
+    recipe.write_text(yaml.safe_dump(GRPO_RECIPE))
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "zeropp_strategy.cli", "pipeline", "--rl", "grpo", "--config",
+                           str(recipe), "--output-dir", str(out)], capture_output=True, text=True, timeout=600,
+                          env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["rl"] == "grpo" and not (out / "reward").exists() and "rm_pairwise_accuracy" not in summary
+    for key in ("sft_task_accuracy", "grpo_task_accuracy_before", "grpo_task_accuracy_after",
+                "actor_greedy_task_accuracy"):
+        assert 0.0 <= summary[key] <= 1.0, (key, summary[key])
+    assert set(summary["bytes_sent_rank0"]) == {"sft", "grpo"} and all(summary["bytes_sent_rank0"].values())
+    assert summary["final_actor"] == str(out / "actor") and (out / "actor" / "config.json").is_file()
+
+
+def test_embedded_grpo_recipe_shares_the_sft_stage_and_rl_is_checked():
+    from zeropp_strategy.rlhf.pipeline import main
+
+    grpo, ppo = load_recipe(None, rl="grpo"), load_recipe(None)
+    assert set(grpo) == {"trainer", "sft", "grpo"}
+    assert grpo["sft"] == ppo["sft"] and grpo["trainer"] == ppo["trainer"]  # the same SFT model
+    with pytest.raises(ValueError, match=r"argument --rl: invalid choice: 'dpo'.*Fix"):
+        main(["--rl", "dpo", "--output-dir", "x"])

@@ -8,7 +8,7 @@
 Every ``__init__`` argument of the module (``--model.*``) and of ``Trainer``
 (``--trainer.*``) is a field of the recipe and can be overridden on the command line; the
 module is chosen by ``model.class_path`` in the recipe (``SFTModule``, ``RewardModule``,
-``DPOModule``, ``PPOModule``). Importing ``zeropp_strategy`` first registers ``strategy: zeropp``.
+``DPOModule``, ``PPOModule``, ``GRPOModule``). Importing ``zeropp_strategy`` first registers ``strategy: zeropp``.
 
 A field LightningCLI rejects, or one the module or ``Trainer`` refuses when built, is a
 ``UsageError``: one line ``error: ... Fix: ...`` and exit status 2 (see ``zeropp_strategy.cli``).
@@ -28,6 +28,7 @@ from lightning.pytorch.cli import LightningCLI
 
 import zeropp_strategy  # noqa: F401 - registers the strategy names
 import zeropp_strategy.rlhf.modules  # noqa: F401 - makes the short class names resolvable
+import zeropp_strategy.rlhf.grpo  # noqa: F401
 import zeropp_strategy.rlhf.ppo  # noqa: F401
 from zeropp_strategy.errors import UsageError, check_arguments
 

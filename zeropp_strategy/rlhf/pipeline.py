@@ -1,25 +1,30 @@
-"""``zeropp pipeline``: SFT -> reward model -> PPO, each stage reading the previous one's output.
+"""``zeropp pipeline``: SFT -> reward model -> PPO, or SFT -> GRPO (``--rl grpo``), each
+stage reading the previous one's output.
 
     zeropp pipeline --output-dir runs/pipeline                      # the embedded default
+    zeropp pipeline --rl grpo --output-dir runs/pipeline-grpo       # GRPO on the task's check
     zeropp pipeline --config recipes/pipeline.yaml --output-dir runs/opt --strategy zeropp_stage_2
 
-The recipe has a ``trainer`` block shared by the three stages and one block per stage
-(``sft``, ``reward``, ``ppo``), each with ``model`` (the module's ``__init__`` arguments)
-and ``trainer`` (overrides of the shared block). Without ``--config`` the embedded default
-runs: a tiny Llama from scratch, a byte-level tokenizer, the addition task; no downloads.
+The recipe has a ``trainer`` block shared by the stages and one block per stage (``sft``,
+``reward``, ``ppo``, ``grpo``), each with ``model`` (the module's ``__init__`` arguments)
+and ``trainer`` (overrides of the shared block); ``--rl`` picks which of ``ppo`` (after
+``reward``) and ``grpo`` runs after ``sft``. Without ``--config`` the embedded default of
+``--rl`` runs (``pipeline.yaml`` or ``pipeline_grpo.yaml``): a tiny Llama from scratch, a
+byte-level tokenizer, the addition task; no downloads.
 
 Output, in ``--output-dir``:
 
     sft/      the SFT policy (Hugging Face folder)
-    reward/   the reward model (backbone folder + value_head.safetensors + reward_stats.json)
-    actor/    the PPO actor, the final model (Hugging Face folder)
+    reward/   the reward model (backbone folder + value_head.safetensors + reward_stats.json; ppo only)
+    actor/    the PPO or GRPO actor, the final model (Hugging Face folder)
     summary.json
 
-``summary.json`` holds ``sft_task_accuracy`` (greedy decoding of the SFT folder on the
-held-out prompts), ``rm_pairwise_accuracy`` (held-out pairs), ``ppo_reward_before`` /
-``ppo_reward_after`` and ``ppo_task_accuracy_before`` / ``ppo_task_accuracy_after`` (the
-same held-out prompts and sampling draws, before and after PPO), the bytes each stage
-sent, the wall time of each stage and the final actor's folder.
+``summary.json`` holds ``rl``, ``sft_task_accuracy`` (greedy decoding of the SFT folder on
+the held-out prompts), ``rm_pairwise_accuracy`` (held-out pairs; ppo), ``<rl>_reward_before``
+/ ``<rl>_reward_after`` and ``<rl>_task_accuracy_before`` / ``<rl>_task_accuracy_after``
+(the same held-out prompts and sampling draws, before and after the RL stage), the
+exported actor's greedy accuracy, the bytes each stage sent, the wall time of each stage
+and the final actor's folder.
 
 Lightning starts the other processes by re-running this command, so all of this runs on
 every rank; rank 0 writes the summary.
@@ -40,18 +45,23 @@ import yaml
 from zeropp_strategy.errors import MissingPathError, UsageError, check_arguments
 from zeropp_strategy.parsers import pipeline_parser
 
-__all__ = ["DEFAULT_RECIPE", "load_recipe", "main", "run_pipeline"]
+__all__ = ["DEFAULT_RECIPE", "DEFAULT_RECIPES", "RL_STAGES", "load_recipe", "main", "run_pipeline"]
 
 DEFAULT_RECIPE = "pipeline.yaml"  # shipped in zeropp_strategy/recipes/
-STAGES = ("sft", "reward", "ppo")
+DEFAULT_RECIPES = {"ppo": DEFAULT_RECIPE, "grpo": "pipeline_grpo.yaml"}  # the embedded default of each --rl
+RL_STAGES = {"ppo": ("sft", "reward", "ppo"), "grpo": ("sft", "grpo")}  # the stages each --rl runs
+STAGES = ("sft", "reward", "ppo", "grpo")
 
 
-def load_recipe(path: str | None) -> dict[str, Any]:
-    """The recipe at ``path``, or the embedded default; checked for unknown blocks and keys
-    (``UsageError``) before anything starts."""
+def load_recipe(path: str | None, rl: str = "ppo") -> dict[str, Any]:
+    """The recipe at ``path``, or the embedded default of ``rl``; checked for unknown blocks
+    and keys (``UsageError``) before anything starts."""
+    if rl not in RL_STAGES:
+        raise UsageError(f"zeropp pipeline --rl {rl!r} is unknown", f"use one of {', '.join(RL_STAGES)}")
     if path is None:
-        text = resources.files("zeropp_strategy.recipes").joinpath(DEFAULT_RECIPE).read_text("utf-8")
-        where = f"<embedded {DEFAULT_RECIPE}>"
+        name = DEFAULT_RECIPES[rl]
+        text = resources.files("zeropp_strategy.recipes").joinpath(name).read_text("utf-8")
+        where = f"<embedded {name}>"
     else:
         if not Path(path).is_file():
             raise MissingPathError(f"zeropp pipeline --config {path!r}: no such file",
@@ -62,10 +72,10 @@ def load_recipe(path: str | None) -> dict[str, Any]:
     except yaml.YAMLError as err:
         raise UsageError(f"{where} is not valid YAML: {err}", "correct the line it names") from None
     if not isinstance(recipe, dict):
-        raise UsageError(f"{where} is not a mapping", "give it the blocks trainer, sft, reward and ppo")
+        raise UsageError(f"{where} is not a mapping", "give it the blocks trainer, sft, reward and ppo (or grpo)")
     unknown = sorted(set(recipe) - {"trainer", *STAGES})
     if unknown:
-        raise UsageError(f"{where}: unknown block(s) {unknown}", "use only trainer, sft, reward and ppo")
+        raise UsageError(f"{where}: unknown block(s) {unknown}", "use only trainer, sft, reward, ppo and grpo")
     for stage in STAGES:
         extra = sorted(set(_mapping(recipe.get(stage), f"{where}: {stage}")) - {"model", "trainer"})
         if extra:
@@ -79,10 +89,11 @@ def _check_keys(recipe: dict[str, Any], where: str) -> None:
     """Each ``model`` block against its module's ``__init__``, each ``trainer`` block against ``Trainer``'s."""
     from lightning.pytorch import Trainer
 
+    from zeropp_strategy.rlhf.grpo import GRPOModule
     from zeropp_strategy.rlhf.modules import RewardModule, SFTModule
     from zeropp_strategy.rlhf.ppo import PPOModule
 
-    modules = {"sft": SFTModule, "reward": RewardModule, "ppo": PPOModule}
+    modules = {"sft": SFTModule, "reward": RewardModule, "ppo": PPOModule, "grpo": GRPOModule}
     check_arguments(Trainer, _mapping(recipe.get("trainer"), f"{where}: trainer"), f"{where}: trainer")
     for stage in STAGES:
         block = recipe.get(stage) or {}
@@ -154,19 +165,21 @@ def task_accuracy(folder: str | Path, tokenizer: Any, records: list[dict[str, st
 
 
 def run_pipeline(recipe: dict[str, Any], output_dir: str | Path, *, strategy: str | None = None,
-                 devices: int | None = None) -> dict[str, Any]:
-    """Run the three stages; returns the summary (written to ``output_dir/summary.json``)."""
+                 devices: int | None = None, rl: str = "ppo") -> dict[str, Any]:
+    """Run the stages of ``rl`` (``RL_STAGES``); returns the summary (written to
+    ``output_dir/summary.json``)."""
     from lightning.pytorch import seed_everything
 
     import zeropp_strategy  # noqa: F401 - registers the strategy names
     from zeropp_strategy.rlhf.data import load_records
     from zeropp_strategy.rlhf.modules import RewardModule, SFTModule
-    from zeropp_strategy.rlhf.ppo import PPOModule
 
+    if rl not in RL_STAGES:
+        raise UsageError(f"zeropp pipeline --rl {rl!r} is unknown", f"use one of {', '.join(RL_STAGES)}")
     root = Path(output_dir)
     overrides = {"strategy": strategy, "devices": devices}
     block = {s: copy.deepcopy((recipe.get(s) or {}).get("model") or {}) for s in STAGES}
-    summary: dict[str, Any] = {"bytes_sent_rank0": {}, "seconds": {}}
+    summary: dict[str, Any] = {"rl": rl, "bytes_sent_rank0": {}, "seconds": {}}
 
     # 1. SFT
     start = time.perf_counter()
@@ -181,51 +194,64 @@ def run_pipeline(recipe: dict[str, Any], output_dir: str | Path, *, strategy: st
         accuracy, example = task_accuracy(root / "sft", sft.tokenizer, load_records("embedded:addition", kind="eval"))
         summary["sft_task_accuracy"], summary["sft_example"] = round(accuracy, 4), example
 
-    # 2. reward model, from the SFT model's body
-    start = time.perf_counter()
-    seed_everything(int(block["reward"].get("seed", 0)), workers=True, verbose=False)
-    reward = RewardModule(**{"model": str(root / "sft"), **block["reward"], "export_dir": str(root / "reward")})
-    trainer = _trainer(recipe, "reward", overrides, root)
-    trainer.fit(reward)
-    trainer.validate(reward, verbose=False)
-    summary["rm_pairwise_accuracy"] = round(_metric(trainer, "val_accuracy"), 4)
-    summary["bytes_sent_rank0"]["reward"] = _ledger_bytes(trainer)
-    summary["seconds"]["reward"] = round(time.perf_counter() - start, 1)
+    if rl == "ppo":
+        # 2. reward model, from the SFT model's body
+        start = time.perf_counter()
+        seed_everything(int(block["reward"].get("seed", 0)), workers=True, verbose=False)
+        reward = RewardModule(**{"model": str(root / "sft"), **block["reward"], "export_dir": str(root / "reward")})
+        trainer = _trainer(recipe, "reward", overrides, root)
+        trainer.fit(reward)
+        trainer.validate(reward, verbose=False)
+        summary["rm_pairwise_accuracy"] = round(_metric(trainer, "val_accuracy"), 4)
+        summary["bytes_sent_rank0"]["reward"] = _ledger_bytes(trainer)
+        summary["seconds"]["reward"] = round(time.perf_counter() - start, 1)
 
-    # 3. PPO: actor and reference from SFT, critic and reward model from step 2
+    # 3. RL: the actor (and a reference) from SFT; PPO's critic and reward model from step 2
     start = time.perf_counter()
-    seed_everything(int(block["ppo"].get("seed", 0)), workers=True, verbose=False)
-    ppo = PPOModule(**{"actor": str(root / "sft"), "reward_model": str(root / "reward"), **block["ppo"],
-                       "export_dir": str(root / "actor")})
-    trainer = _trainer(recipe, "ppo", overrides, root)
-    trainer.validate(ppo, verbose=False)
+    seed_everything(int(block[rl].get("seed", 0)), workers=True, verbose=False)
+    actor = _rl_module(rl, block[rl], root)
+    trainer = _trainer(recipe, rl, overrides, root)
+    trainer.validate(actor, verbose=False)
     before = {k: _metric(trainer, f"val_{k}") for k in ("reward", "task_accuracy")}
-    trainer.fit(ppo)
-    trainer.validate(ppo, verbose=False)
+    trainer.fit(actor)
+    trainer.validate(actor, verbose=False)
     after = {k: _metric(trainer, f"val_{k}") for k in ("reward", "task_accuracy")}
     summary.update({
-        "ppo_reward_before": round(before["reward"], 4), "ppo_reward_after": round(after["reward"], 4),
-        "ppo_task_accuracy_before": round(before["task_accuracy"], 4),
-        "ppo_task_accuracy_after": round(after["task_accuracy"], 4),
+        f"{rl}_reward_before": round(before["reward"], 4), f"{rl}_reward_after": round(after["reward"], 4),
+        f"{rl}_task_accuracy_before": round(before["task_accuracy"], 4),
+        f"{rl}_task_accuracy_after": round(after["task_accuracy"], 4),
     })
-    summary["bytes_sent_rank0"]["ppo"] = _ledger_bytes(trainer)
-    summary["seconds"]["ppo"] = round(time.perf_counter() - start, 1)
+    summary["bytes_sent_rank0"][rl] = _ledger_bytes(trainer)
+    summary["seconds"][rl] = round(time.perf_counter() - start, 1)
     summary["final_actor"] = str(root / "actor")
     summary["strategy"] = str(trainer.strategy.__class__.__name__)
     summary["world_size"] = trainer.world_size
     if rank0:
-        accuracy, example = task_accuracy(root / "actor", ppo.tokenizer, load_records("embedded:addition",
-                                                                                       kind="eval"))
+        accuracy, example = task_accuracy(root / "actor", actor.tokenizer, load_records("embedded:addition",
+                                                                                         kind="eval"))
         summary["actor_greedy_task_accuracy"], summary["actor_example"] = round(accuracy, 4), example
         (root / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
 
+def _rl_module(rl: str, block: dict[str, Any], root: Path) -> Any:
+    """The RL stage's module: PPO reads the SFT and reward folders, GRPO the SFT folder
+    (its reward is the task's check unless the recipe names reward functions)."""
+    if rl == "ppo":
+        from zeropp_strategy.rlhf.ppo import PPOModule
+
+        return PPOModule(**{"actor": str(root / "sft"), "reward_model": str(root / "reward"), **block,
+                            "export_dir": str(root / "actor")})
+    from zeropp_strategy.rlhf.grpo import GRPOModule
+
+    return GRPOModule(**{"actor": str(root / "sft"), **block, "export_dir": str(root / "actor")})
+
+
 def main(argv: list[str] | None = None, prog: str = "zeropp pipeline") -> int:
     parser = pipeline_parser(prog)
     args = parser.parse_args(argv)
-    recipe = load_recipe(args.config)
-    summary = run_pipeline(recipe, args.output_dir, strategy=args.strategy, devices=args.devices)
+    recipe = load_recipe(args.config, rl=args.rl)
+    summary = run_pipeline(recipe, args.output_dir, strategy=args.strategy, devices=args.devices, rl=args.rl)
     if "sft_task_accuracy" in summary or "actor_example" in summary:  # rank 0
         print(json.dumps(summary, indent=2))
     return 0
