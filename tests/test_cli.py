@@ -180,3 +180,21 @@ def test_demo_bad_flag_is_one_error_line(tmp_path: Path) -> None:
     proc = _zeropp(["demo", "--max-steps", "many"], tmp_path)
     _assert_one_error_line(proc, "zeropp demo: argument --max-steps: invalid int value: 'many'", "zeropp demo --help")
 
+
+
+def test_chat_help_and_a_missing_folder_load_no_torch(tmp_path: Path) -> None:
+    """``zeropp chat``'s flags and its path checks answer before torch is imported."""
+    code = (
+        "import contextlib, io, sys\n"
+        "import zeropp_strategy.cli\n"
+        "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()) as shown:\n"
+        "    zeropp_strategy.cli.main(['chat', '--help'])\n"
+        "status = zeropp_strategy.cli.main(['chat', 'no/such/folder', '--prompt', 'x'])\n"
+        "flags = all(f in shown.getvalue() for f in ('--temperature', '--top-k', '--top-p', '--max-new-tokens'))\n"
+        "print('HEAVY', status, flags, [m for m in ('torch', 'lightning', 'transformers') if m in sys.modules],\n"
+        "      file=sys.stderr)\n"
+    )
+    proc = _python(code, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = proc.stderr.splitlines()
+    assert lines[-1] == "HEAVY 2 True []" and ONE_ERROR_LINE.fullmatch(lines[0]) and "no such folder" in lines[0], lines

@@ -260,8 +260,8 @@ SIGNATURES: dict[tuple[str, str], list[str]] = {
         "zeropp_strategy:ShardedGradScaler"],
     ("docs/strategy.md", "Topology(world_size, rank, ranks_per_node"): ["zeropp_strategy:Topology"],
     ("docs/strategy.md", "Meshes(world, node, intra_group"): ["zeropp_strategy.topology:Meshes"],
-    ("docs/strategy.md", "Int8Weight.from_dense(x, block_elems)"): [
-        "zeropp_strategy.engine.frozen:Int8Weight.from_dense", "zeropp_strategy.engine.frozen:quantize_rows",
+    ("docs/strategy.md", "QuantizedWeight.from_dense(x, block_elems, bits=8)"): [
+        "zeropp_strategy.engine.frozen:QuantizedWeight.from_dense", "zeropp_strategy.engine.frozen:quantize_rows",
         "zeropp_strategy.engine.frozen:dequantize_rows", "zeropp_strategy.engine.frozen:quantize_frozen"],
 }
 
@@ -781,3 +781,36 @@ def test_forgotten_import_error_is_the_one_shown(workdir: Path) -> None:
     assert len(real) == len(shown), proc.stdout + proc.stderr
     for f, line in zip(shown, real):
         assert line.split("Example choices")[0] == f.body.strip().split("Example choices")[0], (f.where, line)
+
+
+@covers(("docs/checkpointing.md", "# write_hf.py"))
+def test_write_hf_example_runs(workdir: Path) -> None:
+    """checkpointing.md's ``write_hf`` example: the folder it writes loads back in bf16,
+    equal to the model it was written from."""
+    import torch
+
+    ns = exec_python(fence("docs/checkpointing.md", "# write_hf.py").body, "write_hf.py")
+    loaded, model = ns["loaded"], ns["model"]
+    assert type(loaded).__name__ == "LlamaForCausalLM" and loaded.dtype == torch.bfloat16
+    want = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in want.items())
+    assert not list(workdir.glob("export/tiny.*"))  # no .tmp- sibling left
+
+
+@covers(("docs/rlhf.md", 'zeropp chat runs/pipeline/actor --prompt "3+4=" --temperature 0'))
+def test_chat_commands_run(workdir: Path) -> None:
+    """rlhf.md's ``zeropp chat`` lines, on a tiny untrained model written by the pipeline's
+    exporter at runs/pipeline/actor (its greedy answers are lowercase letters; the default
+    --max-new-tokens is half its 64 positions). Stdin is at its end, so the session line
+    ends at once, as Ctrl-D would end it."""
+    from tests.test_chat import _build
+
+    _build(workdir / "runs" / "pipeline" / "actor")
+    body = fence("docs/rlhf.md", 'zeropp chat runs/pipeline/actor --prompt "3+4=" --temperature 0').body
+    out = run_shell("exec </dev/null\n" + body, workdir, timeout=600)
+    # stdout and stderr: the answers, and the note that the 32 letters of the first piped answer
+    # leave no room for that turn in the next context (64 positions, 32 kept for the answer)
+    forgot = "(the oldest 1 turn(s) were forgotten: the model takes 64 positions, 32 kept free for the answer)"
+    answers = [line for line in out.splitlines() if line != forgot]
+    assert out.count(forgot) == 1 and len(answers) == 3 and all(re.fullmatch(r"[a-z]{32}", a) for a in answers), out
+    assert answers[0] == answers[1]  # --prompt "3+4=" and the first piped line: the same greedy answer

@@ -5,6 +5,7 @@
     zeropp fit --config recipes/sft.yaml [--model.lr 1e-4 --trainer.max_steps 100 ...]
     zeropp pipeline --output-dir runs/pipeline [--config recipes/pipeline.yaml]
     zeropp report runs/demo                             # PNG plots + report.md of a logged run
+    zeropp chat runs/pipeline/actor [--prompt "3+4="]   # talk to an exported model folder
 
 A subcommand is a function ``argv -> exit code`` plus one line in ``SUBCOMMANDS``; it
 parses its own flags, so the top-level parser only picks the function and forwards the
@@ -22,7 +23,7 @@ import sys
 from collections.abc import Callable
 
 from zeropp_strategy.errors import ArgumentParser, MissingPathError, UsageError, check_arguments, run
-from zeropp_strategy.parsers import consolidate_parser, demo_parser, pipeline_parser
+from zeropp_strategy.parsers import chat_parser, consolidate_parser, demo_parser, pipeline_parser
 
 __all__ = ["ArgumentParser", "MissingPathError", "SUBCOMMANDS", "UsageError", "check_arguments", "main", "run"]
 
@@ -60,14 +61,22 @@ def _consolidate(argv: list[str]) -> int:
     return consolidate.main(argv, prog="zeropp consolidate")
 
 
+def _chat(argv: list[str]) -> int:
+    chat_parser("zeropp chat").parse_args(argv)
+    from zeropp_strategy import chat
+
+    return chat.main(argv, prog="zeropp chat")
+
+
 # name -> (function, one-line help).
 SUBCOMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "demo": (_demo, "train a tiny causal LM on 2 CPU processes under strategy='zeropp'"),
     "fit": (_fit, "LightningCLI fit of an RLHF module: zeropp fit --config recipes/sft.yaml [--field value ...]; "
                   "its fields: zeropp fit --help"),
-    "pipeline": (_pipeline, "SFT -> reward model -> PPO in sequence, with summary.json: zeropp pipeline --output-dir DIR"),
+    "pipeline": (_pipeline, "SFT -> reward model -> PPO (or --rl grpo: SFT -> GRPO), with summary.json: zeropp pipeline --output-dir DIR"),
     "report": (_report, "a run's metrics.csv as PNG plots (loss, bytes, memory, throughput) and report.md"),
     "consolidate": (_consolidate, "sharded checkpoint -> one Lightning file, or a Hugging Face folder (--hf)"),
+    "chat": (_chat, "talk to a Hugging Face model folder (the pipeline's actor): zeropp chat DIR [--prompt TEXT]"),
 }
 
 
