@@ -87,3 +87,18 @@ def test_sft_packing_keeps_every_example_and_its_labels_and_restarts_positions()
         assert packed[key][mask_p].tolist() == plain[key][mask_u].tolist()
     # Positions restart at every example: as many zeros as examples.
     assert int((packed["position_ids"][packed["attention_mask"].bool()] == 0).sum()) == len(records)
+
+
+def test_encode_prompt_renders_the_chat_template_to_ids():
+    """With a chat template, the prompt's ids are the rendered template's (transformers 5's
+    apply_chat_template(tokenize=True) returns a BatchEncoding, whose list() is its keys)."""
+    from transformers import ByT5Tokenizer
+
+    from zeropp_strategy.rlhf.data import encode_prompt
+
+    tok = ByT5Tokenizer()
+    tok.chat_template = ("{% for m in messages %}<{{ m['content'] }}>{% endfor %}"
+                         "{% if add_generation_prompt %}:{% endif %}")
+    ids = encode_prompt(tok, "3+4=")
+    assert all(isinstance(i, int) for i in ids)
+    assert tok.decode(ids) == "<3+4=>:"

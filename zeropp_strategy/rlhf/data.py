@@ -68,8 +68,10 @@ def load_records(source: str, *, split: str = "train", kind: str = "sft") -> lis
 def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
     """Token ids of a prompt: through the chat template when the tokenizer has one."""
     if getattr(tokenizer, "chat_template", None):
-        return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True,
-                                                  add_generation_prompt=True))
+        # Rendered to text first: with tokenize=True transformers 5 returns a BatchEncoding,
+        # whose list() is its keys ('input_ids', 'attention_mask'), not the ids.
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                               add_generation_prompt=True)
     return list(tokenizer(prompt, add_special_tokens=False).input_ids)
 
 
