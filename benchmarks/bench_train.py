@@ -55,6 +55,7 @@ LR, WEIGHT_DECAY = 5e-4, 0.01
 SIZES = {"small": (4, 256), "medium": (8, 512), "large": (12, 768)}  # (layers, width): 3.3M, 25.5M, 85M params
 OURS = {
     "zeropp_stage_1": {"stage": 1},
+    "zeropp_stage_1_overlap": {"stage": 1, "overlap_param_gather": True},
     "zeropp_stage_2": {"stage": 2},
     "zeropp_stage_3": {"stage": 3},
     "zeropp_stage_3_bf16": {"stage": 3, "reduce_dtype": "bf16"},
@@ -251,10 +252,17 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2, help="micro-batch per rank (sequences of 128)")
     parser.add_argument("--precision", choices=["bf16-mixed", "32-true"], default="bf16-mixed")
     parser.add_argument("--simulated-nodes", type=int, default=0, help="ours only: split one machine's ranks")
+    parser.add_argument("--overlap-buckets", type=int, default=None,
+                        help="stage 1 only, an experiment: cut the post-step gather into about this many buckets "
+                             "instead of engine.stage1.OVERLAP_BUCKETS")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)  # 2 cores shared by all ranks: more threads only thrash
 
+    if args.overlap_buckets is not None:  # the measurement behind OVERLAP_BUCKETS (benchmarks/volume.py)
+        from zeropp_strategy.engine import stage1
+
+        stage1.OVERLAP_BUCKETS = args.overlap_buckets
     meter = Meter()
     if args.system.startswith("deepspeed"):
         run_deepspeed(args, meter)

@@ -83,6 +83,8 @@ def run_cell(cluster, system: str, args: argparse.Namespace) -> dict:  # noqa: A
         cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_train.py"), "--system", system,
                "--size", args.size, "--steps", str(args.steps), "--warmup", str(args.warmup),
                "--batch", str(args.batch), "--precision", args.precision, "--out", str(cell_json)]
+        if getattr(args, "overlap_buckets", None) is not None:
+            cmd += ["--overlap-buckets", str(args.overlap_buckets)]
         # PYTHONPATH first: --package-root runs another checkout's zeropp_strategy (a "before").
         package_root = getattr(args, "package_root", None) or ROOT
         res = cluster.run(cmd, nproc_per_node=args.nproc_per_node, timeout_s=args.cell_timeout_s,

@@ -3,7 +3,18 @@
     sudo python benchmarks/volume.py                          # 3 runs per cell, about 35 min
     sudo python benchmarks/volume.py --repeat 1 --out /tmp/v.json --docs /tmp/v.md   # a quick look
     sudo python benchmarks/volume.py --package-root ../before  # the same cells on another checkout
+    sudo python benchmarks/volume.py --part stage1 --before-root /tmp/before   # stage 1 vs ddp, before/after
+    sudo python benchmarks/volume.py --part sizes              # two model sizes at 1 Gbit/s
     python benchmarks/volume.py --render-only
+
+``--part stage1`` (results/volume_stage1_async.json): ``ddp`` and ``zeropp_stage_1`` at
+200 Mbit/s, and ``zeropp_stage_1`` from ``--before-root`` (a folder holding another
+``zeropp_strategy`` package: the code before a change). ``--part sizes``
+(results/volume_sizes_1gbit.json): ``ddp``, ``zeropp_stage_3``, ``zeropp`` and DeepSpeed
+ZeRO-3 (when ``deepspeed`` imports) at 1 Gbit/s for GPT-2 ``small`` (4 x 256, 3.3M
+parameters) and ``medium`` (8 x 512, 25.5M). Both parts run their cells in rounds (every
+cell once, ``--repeat`` times) so that a busy spell of a shared machine falls on every
+cell alike, and record the load average at the start of each run.
 
 Every cell is one ``benchmarks/bench_train.py`` job on the simulated 2-node x 2-rank cluster
 (``benchmarks/simcluster.py``: two network namespaces, a veth shaped with ``tc tbf``),
@@ -23,9 +34,13 @@ the warm-up; with ``--repeat`` the median of the runs, and the range is printed 
 from __future__ import annotations
 
 import argparse
+import datetime
+import importlib.util
 import json
+import os
 import platform
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -40,6 +55,14 @@ CELLS = {
     "unlimited": ["zeropp_stage_3", "zeropp"],
 }
 MB = 1e6
+# --part stage1 / sizes: (rate, sizes, systems); "@before" would run the --before-root package,
+# "#N" cuts stage 1's post-step gather into about N buckets (bench_train.py --overlap-buckets).
+PARTS = {
+    "stage1": ("200mbit", ["small"], ["ddp", "zeropp_stage_1", "zeropp_stage_1_overlap", "zeropp_stage_1_overlap#1",
+                                      "zeropp_stage_1_overlap#16"]),
+    "sizes": ("1gbit", ["small", "medium"], ["ddp", "zeropp_stage_3", "zeropp", "deepspeed_zero3"]),
+}
+PART_FILES = {"stage1": "volume_stage1_async.json", "sizes": "volume_sizes_1gbit.json"}
 
 
 def formula_bytes(system: str, params: int, world: int = 4, nodes: int = 2) -> float | None:
@@ -84,6 +107,121 @@ def run(args: argparse.Namespace) -> dict:
                       f"{cell['veth_bytes_per_step'] / MB:.2f} MB/step" if ok else f"FAILED {cell.get('error')}"),
                       flush=True)
     return results
+
+
+def run_part(args: argparse.Namespace) -> dict:
+    """One of PARTS, in rounds: every cell once per round, ``--repeat`` rounds."""
+    from benchmarks.simcluster import SimCluster
+
+    rate, sizes, systems = PARTS[args.part]
+    has_ds = importlib.util.find_spec("deepspeed") is not None
+    cells = {f"{rate}/{size}/{system}": (size, system) for size in sizes for system in systems}
+    runs: dict[str, list[dict]] = {key: [] for key in cells}
+    out = args.out.parent / PART_FILES[args.part]
+    if args.append and out.exists():  # more rounds on top of an earlier invocation's
+        for key, earlier in json.loads(out.read_text()).get("runs", {}).items():
+            runs.setdefault(key, []).extend(earlier)
+    skipped = {key: "deepspeed is not installed (pip install -e '.[bench]')"
+               for key, (_, system) in cells.items() if system.startswith("deepspeed") and not has_ds}
+    meta = {
+        "command": _command(sys.argv[1:]),
+        "date": datetime.date.today().isoformat(),
+        "commit": _commit(),
+        "hardware": f"{platform.machine()} VM, {os.cpu_count()} CPU cores, no GPU",
+        "steps": args.steps, "warmup": args.warmup, "batch": args.batch, "rate": rate, "precision": args.precision,
+        "cpu_capability": _cpu_capability(), "matmul_ms": _matmul_ms(),
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    results: dict = {}
+    with SimCluster(rate=rate) as cluster:
+        for round_ in range(args.repeat):
+            for key, (size, system) in cells.items():
+                if key in skipped:
+                    continue
+                name, _, variant = system.partition("@")
+                name, _, buckets = name.partition("#")
+                cell_args = argparse.Namespace(**{**vars(args), "size": size,
+                                                  "overlap_buckets": int(buckets) if buckets else None})
+                if variant == "before":
+                    cell_args.package_root = args.before_root
+                load = os.getloadavg()[0]
+                cell = run_cell(cluster, name, cell_args)
+                cell["load_avg_1min_at_start"] = load
+                runs[key].append({k: cell.get(k) for k in ("step_s", "step_s_all", "veth_bytes_per_step", "loss",
+                                                            "load_avg_1min_at_start", "error") if k in cell})
+                print(f"round {round_ + 1}/{args.repeat} {key}: " + (f"{cell['step_s']:.3f} s/step (load {load:.1f})"
+                      if "step_s" in cell else f"FAILED {cell.get('error')}"), flush=True)
+                # after every run, so that a run cut short keeps what it measured
+                results = {"meta": meta, "cells": _summarize(runs, skipped), "runs": runs}
+                out.write_text(json.dumps(results, indent=1))
+    return results
+
+
+def _summarize(runs: dict[str, list[dict]], skipped: dict[str, str]) -> dict:
+    """Per cell: the median of its runs' step times, their list, and what the runs had in common."""
+    cells: dict = {}
+    for key, cell_runs in runs.items():
+        ok = [c for c in cell_runs if "step_s" in c]
+        if key in skipped:
+            cells[key] = {"skipped": skipped[key]}
+        elif not ok:
+            cells[key] = {"error": cell_runs[0].get("error") if cell_runs else "not run"}
+        else:
+            cells[key] = {
+                "step_s": statistics.median(c["step_s"] for c in ok),
+                "step_s_runs": [c["step_s"] for c in ok],
+                "veth_bytes_per_step": statistics.median(c["veth_bytes_per_step"] or 0 for c in ok),
+                "loss": ok[0]["loss"],
+                "load_avg_1min_at_start": [c["load_avg_1min_at_start"] for c in ok],
+                "failed_runs": len(cell_runs) - len(ok),
+            }
+    return cells
+
+
+def _matmul_ms() -> dict[str, float]:
+    """One thread, (512 x 256) @ (256 x 1024), the size of a GPT-2 small MLP matmul: ms per call
+    in fp32 and in bf16. Without native bf16 (AVX-512 BF16, AMX) the bf16 one is emulated."""
+    import time
+
+    import torch
+
+    torch.set_num_threads(1)
+    out = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        a, b = torch.randn(512, 256, dtype=dtype), torch.randn(256, 1024, dtype=dtype)
+        a @ b
+        start = time.perf_counter()
+        for _ in range(10):
+            a @ b
+        out[name] = (time.perf_counter() - start) / 10 * 1e3
+    return out
+
+
+def _cpu_capability() -> str:
+    import torch
+
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def _command(argv: list[str]) -> str:
+    """This run's command line, folders named by their role instead of this machine's paths."""
+    shown = list(argv)
+    for i, arg in enumerate(shown[:-1]):
+        if arg in ("--before-root", "--package-root", "--out", "--docs"):
+            shown[i + 1] = {"--before-root": "BEFORE", "--package-root": "AFTER"}.get(arg, "FILE")
+    # --repeat / --append: the page names the rounds run in all (render_parts)
+    kept = [a for i, a in enumerate(shown) if a != "--append" and a != "--repeat" and
+            (i == 0 or shown[i - 1] != "--repeat")]
+    return " ".join(["python", "benchmarks/volume.py", *kept])
+
+
+def _commit() -> str:
+    """HEAD, and whether the working tree differed from it when the part ran."""
+    def git(*cmd: str) -> str:
+        return subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    head = git("rev-parse", "--short", "HEAD")
+    return head + (" + uncommitted changes" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 TIMELINE = """## One step on a timeline
@@ -170,11 +308,109 @@ def render(results: dict, docs: Path, command: str, params: int) -> str:
             within = abs(c["veth_bytes_per_step"] / f - 1) <= 0.10
             lines.append(f"| cross-node bytes: {s} within 10% of its formula | "
                          f"{c['veth_bytes_per_step'] / f:.2f}x | {'yes' if within else 'no'} |")
+    lines += render_parts(docs_results_dir(docs))
     lines += ["", TIMELINE]
     text = "\n".join(lines) + "\n"
     docs.parent.mkdir(parents=True, exist_ok=True)
     docs.write_text(text)
     return text
+
+
+def docs_results_dir(docs: Path) -> Path:  # noqa: ARG001 - the parts' JSON always lives here
+    return ROOT / "benchmarks" / "results"
+
+
+def _load_note(cells: dict, rounds: int) -> str:
+    loads = [x for c in cells.values() for x in c.get("load_avg_1min_at_start", [])]
+    if not loads:
+        return ""
+    return (f" **The machine was loaded**: its 2 cores were shared with other jobs throughout (1-minute "
+            f"load average {min(loads):.1f}-{max(loads):.1f} at the start of the runs, against 4 ranks of our "
+            f"own), so absolute times are slow and noisy; each cell ran {rounds} times, in rounds (every cell "
+            "once per round), and the median and the range of the runs are shown.")
+
+
+def _runs(cell: dict) -> str:
+    runs = cell["step_s_runs"]
+    return f"{cell['step_s']:.3f} ({min(runs):.3f}-{max(runs):.3f}, {len(runs)} runs)"
+
+
+def _rounds(data: dict) -> int:
+    return max((len(r) for r in data.get("runs", {}).values()), default=0)
+
+
+def render_parts(results_dir: Path) -> list[str]:
+    """The sections of --part stage1 and --part sizes, from their JSON when it exists."""
+    lines: list[str] = []
+    for part, title in (("stage1", "Stage 1 against DDP at 200 Mbit/s: the post-step gather overlapped"),
+                        ("sizes", "Step time for two model sizes at 1 Gbit/s")):
+        path = results_dir / PART_FILES[part]
+        if not path.exists():
+            continue
+        data = json.loads(path.read_text())
+        meta, cells = data["meta"], data["cells"]
+        rate = meta["rate"]
+        lines += ["", f"## {title}", "",
+                  f"Command: `{meta['command']} --repeat {_rounds(data)}` (as root), {meta['date']}, commit "
+                  f"{meta['commit']}. Hardware: "
+                  f"{meta['hardware']}; 2 nodes x 2 ranks (gloo) on the simulated cluster, the veth at {rate}; "
+                  f"`precision=\"{meta.get('precision', 'bf16-mixed')}\"`, AdamW, micro-batch {meta['batch']} x 128 "
+                  f"per rank, {meta['steps']} steps of which "
+                  f"the first {meta['warmup']} are warm-up." + _load_note(cells, _rounds(data)), ""]
+        roles = []
+        if "AFTER" in meta["command"]:
+            roles.append("AFTER is a copy of the measured tree's `zeropp_strategy/`, taken when the part started "
+                         "so that other work in the tree could not change it mid-run")
+        if "BEFORE" in meta["command"]:
+            roles.append("BEFORE is the same copy with `engine/stage1.py` from commit " + meta["commit"].split()[0]
+                         + " (`git show HEAD:zeropp_strategy/engine/stage1.py`), whose `step()` waited for its "
+                         "gathers")
+        if roles:
+            lines += ["; ".join(roles) + ".", ""]
+        mm = meta.get("matmul_ms")
+        if meta.get("precision") == "32-true" and mm:
+            lines += [f"Why `32-true` and not `bf16-mixed`: this CPU (torch capability {meta['cpu_capability']}, no "
+                      f"AVX-512 BF16 or AMX) emulates bf16 matmuls: a (512 x 256) @ (256 x 1024) takes "
+                      f"{mm['bf16']:.0f} ms in bf16 against {mm['fp32']:.1f} ms in fp32 (one thread, measured at "
+                      "the start of this part), so a bf16-mixed step of the small model takes about 10 s, all "
+                      "compute, and no link speed shows. The suite's tables above (about 1.1 s per bf16-mixed step "
+                      "for ddp) cannot have come from such a CPU: compare ratios within a section only.", ""]
+        if part == "stage1":
+            lines += [
+                "`zeropp_stage_1`: the default, `step()` waits for every bucket's gather (one bucket: the "
+                "model's 13 MB are below `allgather_bucket_bytes`). `zeropp_stage_1_overlap`: "
+                "`overlap_param_gather=True`, the gathers finish under the next forward. The `OVERLAP_BUCKETS = 1` "
+                "and `16` rows are the experiment behind its value 8 (`bench_train.py --overlap-buckets N`; buckets "
+                "are whole parameters of at least 1 MiB, hence 12 and 22 buckets rather than 8 and 16).", "",
+                "| system | step s, median (range) | vs ddp | cross-node MB/step (veth) |",
+                "|---|---|---:|---:|"]
+            ddp = cells.get(f"{rate}/small/ddp", {})
+            for system, label in (("ddp", "ddp"), ("zeropp_stage_1", "zeropp_stage_1 (synchronous gather, the default)"),
+                                  ("zeropp_stage_1_overlap", "zeropp_stage_1_overlap (OVERLAP_BUCKETS = 8: 12 buckets)"),
+                                  ("zeropp_stage_1_overlap#1", "zeropp_stage_1_overlap, OVERLAP_BUCKETS = 1: 1 bucket"),
+                                  ("zeropp_stage_1_overlap#16", "zeropp_stage_1_overlap, OVERLAP_BUCKETS = 16: 22 buckets")):
+                c = cells.get(f"{rate}/small/{system}", {})
+                if "step_s" not in c:
+                    lines.append(f"| {label} | {c.get('error') or c.get('skipped') or 'not run'} | | |")
+                    continue
+                vs = f"{c['step_s'] / ddp['step_s']:.2f}x" if "step_s" in ddp else "-"
+                lines.append(f"| {label} | {_runs(c)} | {vs} | {c['veth_bytes_per_step'] / MB:.2f} |")
+            continue
+        for size, label in (("small", "GPT-2 small, 4 x 256, 3.3M parameters"),
+                            ("medium", "GPT-2 medium, 8 x 512, 25.5M parameters")):
+            lines += ["", f"### {label}", "",
+                      "| system | step s, median (range) | vs ddp | vs zeropp_stage_3 | vs DeepSpeed ZeRO-3 | "
+                      "cross-node MB/step (veth) | loss |", "|---|---|---:|---:|---:|---:|---:|"]
+            ref = {name: cells.get(f"{rate}/{size}/{name}", {}) for name in ("ddp", "zeropp_stage_3", "deepspeed_zero3")}
+            for system in PARTS["sizes"][2]:
+                c = cells.get(f"{rate}/{size}/{system}", {})
+                if "step_s" not in c:
+                    lines.append(f"| {system} | {c.get('error') or c.get('skipped') or 'not run'} | | | | | |")
+                    continue
+                ratios = [f"{c['step_s'] / r['step_s']:.2f}x" if "step_s" in r else "-" for r in ref.values()]
+                lines.append(f"| {system} | {_runs(c)} | {' | '.join(ratios)} | "
+                             f"{c['veth_bytes_per_step'] / MB:.2f} | {c['loss']:.4f} |")
+    return lines
 
 
 def gpt2_params() -> int:
@@ -193,9 +429,25 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "volume_bf16.json")
     parser.add_argument("--docs", type=Path, default=ROOT / "docs" / "benchmarks_volume.md")
     parser.add_argument("--render-only", action="store_true")
+    parser.add_argument("--part", choices=["suite", *PARTS], default="suite",
+                        help="suite: issue 18's cells; stage1 / sizes: see the module docstring")
+    parser.add_argument("--precision", choices=["bf16-mixed", "32-true"], default="bf16-mixed",
+                        help="--part stage1 / sizes only (the suite is bf16-mixed): 32-true where the CPU has no "
+                             "fast bf16 matmul (see docs/benchmarks_volume.md)")
+    parser.add_argument("--append", action="store_true",
+                        help="--part stage1 / sizes: add this invocation's rounds to the runs already in its JSON")
+    parser.add_argument("--before-root", type=Path, default=None,
+                        help="--part stage1: a folder holding the zeropp_strategy package to compare against")
     args = parser.parse_args()
-    args.size, args.precision, args.nproc_per_node, args.cell_timeout_s = "small", "bf16-mixed", 2, 600
-    results = json.loads(args.out.read_text()) if args.render_only else run(args)
+    args.size, args.nproc_per_node, args.cell_timeout_s = "small", 2, 900
+    if args.part == "suite":
+        args.precision = "bf16-mixed"
+    if args.part == "stage1" and args.before_root is None and not args.render_only:
+        parser.error("--part stage1 needs --before-root FOLDER (a zeropp_strategy package to compare against). "
+                     "Fix: e.g. copy zeropp_strategy/ to /tmp/before/ and put the old engine/stage1.py in it.")
+    if not args.render_only and args.part != "suite":
+        run_part(args)
+    results = json.loads(args.out.read_text()) if args.render_only or args.part != "suite" else run(args)
     print(render(results, args.docs, "python benchmarks/volume.py", gpt2_params()))
 
 

@@ -31,6 +31,7 @@ from torch import Tensor
 
 from zeropp_strategy.engine.dtensor import is_dtensor as _is_dtensor
 from zeropp_strategy.engine.dtensor import local as _local
+from zeropp_strategy.engine.stage1 import wait_for_parameters
 
 __all__ = ["ShardedEMA"]
 
@@ -104,6 +105,7 @@ class ShardedEMA(Callback):
         self._last_step = step
         if step < self.start_step or step % self.every_n_steps:
             return
+        wait_for_parameters(trainer.optimizers)  # stage 1 gathers the updated rows after the step
         if self.num_updates == 0 and step > 0 and self.start_step > 0:
             with torch.no_grad():  # the average starts from the weights at start_step
                 for name, p in self._params.items():
@@ -115,6 +117,8 @@ class ShardedEMA(Callback):
     @torch.no_grad()
     def swap_in(self) -> None:
         """Copy the EMA into the parameters, keeping the trained weights aside."""
+        if self._trainer is not None:  # a stage-1 gather finishing later would overwrite the copy
+            wait_for_parameters(self._trainer.optimizers)
         self._backup = {n: _local(p).detach().clone() for n, p in self._params.items()}
         for name, p in self._params.items():
             _local(p).copy_(self.ema[name])

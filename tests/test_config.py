@@ -502,6 +502,7 @@ _FIELD_VALUES = {
     "activation_checkpointing": _mostly(st.booleans()),
     "reduce_bucket_bytes": _mostly(st.integers(1000, 2**30)),
     "allgather_bucket_bytes": _mostly(st.integers(1000, 2**30)),
+    "overlap_param_gather": _mostly(st.booleans()),
     "state_dict_type": _mostly(st.sampled_from([None, "sharded", "full", "FULL"])),
     "gather_16bit": _mostly(st.sampled_from([None, True, False])),
     "reduce_dtype": _mostly(st.sampled_from([None, "fp32", "bf16", "fp16", "BF16", "int8"])),

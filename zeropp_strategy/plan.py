@@ -48,6 +48,7 @@ class ShardingPolicy:
     activation_checkpointing: bool
     reduce_bucket_bytes: int
     allgather_bucket_bytes: int
+    overlap_param_gather: bool
     gather_16bit: bool | None
     reduce_dtype: str | None
 

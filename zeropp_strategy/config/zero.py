@@ -163,6 +163,14 @@ class ZeroConfig:
     """Stage 1: bytes of gradients all-reduced per bucket (>= 1024)."""
     allgather_bucket_bytes: int = 50 * 2**20
     """Stage 1: bytes of updated parameters all-gathered per bucket after the step (>= 1024)."""
+    overlap_param_gather: bool = False
+    """Stage 1: ``optimizer.step()`` issues the post-step all-gathers and returns; each module's
+    forward waits for the buckets holding its parameters, so the gathers run under the next
+    forward. Until then, other ranks' updated rows still hold their old values: code that reads
+    parameter tensors directly between the step and the next forward (a weight-norm callback,
+    Lightning's ``WeightAveraging``) must call ``wait_for_parameters`` first (docs/stages.md,
+    "Overlapping the post-step gather"). Off by default: every reader then sees updated weights
+    as soon as ``step()`` returns, as with DDP. Megatron-LM's ``overlap_param_gather``."""
     state_dict_type: str | None = None
     """Checkpoints: "sharded" (a file per rank), "full" (one consolidated state dict on rank 0) or
     None = "sharded" for stages 2/3, "full" for stage 1 (see ``resolved_state_dict_type``)."""
@@ -233,6 +241,10 @@ class ZeroConfig:
         if self.quantized_gradients and stage < 2:
             _invalid(f"{w}.quantized_gradients", True, "qgZ replaces the gradient reduce-scatter of stages 2 "
                      "and 3; stage 1 all-reduces gradients", "set stage=2 or 3, or quantized_gradients=False")
+        if self.overlap_param_gather and stage != 1:
+            _invalid(f"{w}.overlap_param_gather", True, f"it overlaps stage 1's post-step gather; stage {stage} "
+                     "gathers parameters per block in forward, already prefetched under compute",
+                     "set stage=1, or overlap_param_gather=False")
         if self.quantize_frozen_weights and stage < 3:
             _invalid(f"{w}.quantize_frozen_weights", True, f"only stage 3 stores parameter shards; stage {stage} "
                      "keeps full parameters", "set stage=3, or quantize_frozen_weights=False")
@@ -363,7 +375,7 @@ class ZeroConfig:
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(ZeroConfig))
-_BOOL_FIELDS = ("quantized_weights", "quantized_gradients", "quantized_gradients_on_single_node",
+_BOOL_FIELDS = ("overlap_param_gather", "quantized_weights", "quantized_gradients", "quantized_gradients_on_single_node",
                 "quantize_frozen_weights", "activation_checkpointing")
 _BITS_FIELDS = {  # field (4 or 8) -> fix
     "gradient_quant_bits": "use 4 (least traffic) or 8 (more precise)",

@@ -360,7 +360,7 @@ class ZeroEngine:
         if self.stage == 1 and not isinstance(optimizer, ShardedOptimizer):
             optimizer = ShardedOptimizer(
                 optimizer, self.meshes.world, self.ledger, allgather_bucket_bytes=self.config.allgather_bucket_bytes,
-                nodes=self.nodes,
+                nodes=self.nodes, overlap_param_gather=self.config.overlap_param_gather,
             )
         release = self._release_params
         if self.config.offload_optimizer.device != "none":

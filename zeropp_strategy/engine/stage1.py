@@ -17,8 +17,9 @@ same rows of ``p.grad``. So:
 - a shape-dependent optimizer (row/column statistics, norms) still computes global
   quantities, because DTensor turns those reductions into collectives instead of
   silently computing them on a slice.
-After ``step()`` every rank all-gathers the rows it updated, bucketed to
-``allgather_bucket_bytes``, so the replicated parameters agree again.
+After ``step()`` every rank all-gathers the rows it updated, in buckets, so the replicated
+parameters agree again; with ``overlap_param_gather`` the gathers finish while the next
+forward runs ([Note: stage-1 asynchronous gather]).
 
 0-dim parameters cannot be row-sharded; they are stepped redundantly on every rank
 (``Replicate``), which costs a few bytes and needs no communication but their gradient's.
@@ -34,6 +35,28 @@ contribution. Everything we do with gradients reads this rank's rows (clipping s
 their squares and all-reduces one scalar; the inf check of fp16 scaling all-reduces a
 flag); a user who needs a whole averaged gradient at stage 1 must gather it (or use
 ``strategy="ddp"``). 0-dim parameters' gradients are all-reduced whole.
+
+[Note: stage-1 asynchronous gather]
+``step()`` issues the all-gathers of every bucket before it waits for any of them. By
+default it then waits for all, so whoever reads a parameter after ``step()`` reads the
+updated value, as with DDP. With ``overlap_param_gather=True`` it returns without waiting,
+and the gathers finish while the next forward runs. Each bucket is one asynchronous ``all_gather_into`` (two hops across nodes: the
+cross-node hop is in flight when ``step()`` returns, the within-node hop and the copy of
+the received rows into the parameters run when the bucket is waited for). Buckets follow
+the optimizer's parameter order, which is the order a model's forward uses them when its
+modules are defined in the order they run (transformers are), and hold at most
+``allgather_bucket_bytes`` and at most 1/``OVERLAP_BUCKETS`` of the gathered bytes
+(never less than ``OVERLAP_MIN_BUCKET_BYTES``), so that the first blocks can compute
+while the later buckets are still crossing the link. ``PendingParams`` ([Note: waiting
+for parameters in flight] in pending_params.py) makes every module wait for the
+buckets holding its own parameters before its forward, its ``state_dict`` and its
+``load_state_dict``. The optimizer waits for everything in ``wait()``, at the next
+``step()`` (after the closure's forward and backward, before the update),
+``state_dict()``, ``load_state_dict()`` and when its ``state`` is read (Lightning moves
+it at teardown). ``zero_grad()`` does not wait: it touches gradients only, and a loop that
+calls it before its forward would otherwise lose the overlap. Until a bucket is waited
+for, its receive buffer is held: at most the gathered parameters' bytes again, between
+the step and the forward.
 """
 
 from __future__ import annotations
@@ -50,9 +73,19 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim import Optimizer
 
 from zeropp_strategy.comm.collectives import all_gather_into
-from zeropp_strategy.comm.hierarchical import NodeGroups
+from zeropp_strategy.comm.hierarchical import NodeGroups, PendingWork
 from zeropp_strategy.comm.ledger import CommKind, CommLedger, Phase
+from zeropp_strategy.engine.pending_params import PendingParams
 from zeropp_strategy.primitives import WrappingOptimizer as WrappingOptimizer  # re-export: its old home
+
+
+OVERLAP_BUCKETS = 8
+"""The post-step gather is cut into about this many buckets (more when
+``allgather_bucket_bytes`` is smaller), so that the next forward can start on the first
+ones; docs/benchmarks_volume.md has the measurement (1, 8 and 16 buckets)."""
+OVERLAP_MIN_BUCKET_BYTES = 2**20
+"""...but no bucket below 1 MiB: each bucket is a collective (two across nodes) with its
+own fixed cost."""
 
 
 def row_range(dim0: int, rank: int, world_size: int) -> tuple[int, int]:
@@ -75,8 +108,9 @@ class _Slot:
 class ShardedOptimizer(WrappingOptimizer):
     """Wraps a user optimizer so that its state holds only this rank's rows.
 
-    ``step()`` points each shard's grad at the matching rows of the all-reduced full
-    gradient, runs the wrapped optimizer, then all-gathers the updated rows.
+    ``step()`` points each shard's grad at the matching rows of the reduced full
+    gradient, runs the wrapped optimizer, then issues the all-gathers of the updated rows
+    and returns ([Note: stage-1 asynchronous gather]); ``wait()`` finishes them.
     ``zero_grad()`` clears the full gradients on the module's parameters, which is what
     the next backward accumulates into.
     """
@@ -89,6 +123,7 @@ class ShardedOptimizer(WrappingOptimizer):
         *,
         allgather_bucket_bytes: int,
         nodes: NodeGroups | None = None,
+        overlap_param_gather: bool = False,
     ) -> None:
         # Deliberately no Optimizer.__init__: we share the wrapped optimizer's
         # param_groups and state, so schedulers that mutate them act on both.
@@ -97,6 +132,7 @@ class ShardedOptimizer(WrappingOptimizer):
         self.ledger = ledger
         self.allgather_bucket_bytes = allgather_bucket_bytes
         self.nodes = nodes  # two-hop gathers across nodes ([Note: two-hop collectives])
+        self.overlap_param_gather = overlap_param_gather
         self._rank = mesh.get_local_rank()
         self._world = mesh.size()
         self._slots: list[_Slot] = []
@@ -123,6 +159,10 @@ class ShardedOptimizer(WrappingOptimizer):
                 "configure_optimizers; state is restored from checkpoints after setup."
             )
         self._full_to_shard = {id(s.param): s.shard for s in self._slots}
+        # The gathers in flight after a step, and (when they may stay in flight past step())
+        # the hooks that make readers wait for them.
+        overlapped = [s.param for s in self._slots if s.chunk_rows and self._world > 1] if overlap_param_gather else []
+        self._in_flight = PendingParams(overlapped)
 
     # -- construction ------------------------------------------------------------------
 
@@ -150,6 +190,7 @@ class ShardedOptimizer(WrappingOptimizer):
 
     @property
     def state(self) -> dict[Any, Any]:  # type: ignore[override]
+        self.wait()  # whoever reads the state reads a finished step (Lightning's teardown moves it)
         return self.optimizer.state
 
     @property
@@ -191,40 +232,65 @@ class ShardedOptimizer(WrappingOptimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = self._evaluate(closure)
+        loss = self._evaluate(closure)  # its forward waited for the buckets it used
+        self.wait()  # the update below writes the rows the last gathers send
         self._bind_grads()
         with self.ledger.phase(Phase.OPTIMIZER):
             self.optimizer.step()
-            self._gather_updated_rows()
+            self._start_gathers()
         return loss
+
+    def wait(self) -> None:
+        """Finish the parameter gathers issued by the last ``step()`` (idempotent): then
+        every rank holds the same, updated parameters. Forward, ``state_dict`` and
+        ``load_state_dict`` of the modules and this optimizer's own methods wait by
+        themselves; code that reads parameter tensors directly between a step and the next
+        forward calls this first ([Note: stage-1 asynchronous gather]). Raises the error of
+        a failed gather, again at every call."""
+        self._in_flight.wait()
+
+    @property
+    def gathering(self) -> bool:
+        """Whether gathers of the last step have not finished yet."""
+        return self._in_flight.pending
 
     # -- the post-step all-gather ----------------------------------------------------------
 
-    def _gather_updated_rows(self) -> None:
-        """All-gather every trainable row-sharded parameter, in buckets of bounded bytes.
+    def _buckets(self) -> list[list[_Slot]]:
+        """The trainable row-sharded parameters in optimizer order, cut into buckets of one
+        dtype and device, sized as [Note: stage-1 asynchronous gather] says."""
+        slots = [s for s in self._slots if s.chunk_rows and s.param.requires_grad]
+        gathered = [s.chunk_rows * s.param[0].numel() * s.param.element_size() * self._world for s in slots]
+        limit = self.allgather_bucket_bytes
+        if self.overlap_param_gather:  # small enough that the first blocks' rows arrive first
+            limit = min(limit, max(OVERLAP_MIN_BUCKET_BYTES, math.ceil(sum(gathered) / OVERLAP_BUCKETS)))
+        buckets: list[list[_Slot]] = []
+        size = 0
+        for s, nbytes in zip(slots, gathered):
+            last = buckets[-1][-1].param if buckets else None
+            if last is None or (s.param.dtype, s.param.device) != (last.dtype, last.device) or size + nbytes > limit:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(s)
+            size += nbytes
+        return buckets
 
-        Bytes sent per rank: for each bucket, its padded shard (sum over params of
-        chunk_rows * row_elems * element_size) to each of the N-1 peers.
+    def _start_gathers(self) -> None:
+        """Issue the all-gather of every bucket; ``PendingParams`` finishes them."""
+        if self._world == 1:
+            return
+        buckets = self._buckets()
+        works = [self._gather_bucket(b) for b in buckets]
+        self._in_flight.start([[s.param for s in b] for b in buckets], works)
+        if not self.overlap_param_gather:
+            self._in_flight.wait()  # every reader sees the updated weights once step() returns
+
+    def _gather_bucket(self, slots: list[_Slot]) -> PendingWork:
+        """Asynchronous all-gather of one bucket; its ``wait()`` writes the received rows.
+
+        Bytes sent per rank: the bucket's padded shard (sum over params of chunk_rows *
+        row_elems * element_size) to each of the N-1 peers (two hops across nodes).
         """
-        pending: list[_Slot] = []
-        pending_bytes = 0
-        key = None
-        for s in self._slots:
-            if s.chunk_rows == 0 or not s.param.requires_grad:
-                continue
-            row_bytes = s.param[0].numel() * s.param.element_size()
-            slot_bytes = s.chunk_rows * row_bytes * self._world
-            slot_key = (s.param.dtype, s.param.device)
-            if pending and (slot_key != key or pending_bytes + slot_bytes > self.allgather_bucket_bytes):
-                self._gather_bucket(pending)
-                pending, pending_bytes = [], 0
-            pending.append(s)
-            pending_bytes += slot_bytes
-            key = slot_key
-        if pending:
-            self._gather_bucket(pending)
-
-    def _gather_bucket(self, slots: list[_Slot]) -> None:
         p0 = slots[0].param
         sizes = [s.chunk_rows * s.param[0].numel() for s in slots]  # padded elems per rank
         per_rank = sum(sizes)
@@ -235,9 +301,13 @@ class ShardedOptimizer(WrappingOptimizer):
             send[offset : offset + own.numel()].copy_(own)
             offset += n
         recv = torch.empty(per_rank * self._world, dtype=p0.dtype, device=p0.device)
-        all_gather_into(recv, send, ledger=self.ledger, kind=CommKind.PARAM_UPDATE, group=self.mesh.get_group(),
-                        nodes=self.nodes)
-        recv = recv.view(self._world, per_rank)
+        work = all_gather_into(recv, send, ledger=self.ledger, kind=CommKind.PARAM_UPDATE,
+                               group=self.mesh.get_group(), nodes=self.nodes, async_op=True)
+        return PendingWork(work, lambda: self._unpack(slots, sizes, recv.view(self._world, per_rank)))
+
+    @torch.no_grad()
+    def _unpack(self, slots: list[_Slot], sizes: list[int], recv: torch.Tensor) -> None:
+        """Copy the other ranks' rows of a gathered bucket (world, per_rank) into the params."""
         offset = 0
         for s, n in zip(slots, sizes):
             full = s.param.detach()
@@ -252,9 +322,11 @@ class ShardedOptimizer(WrappingOptimizer):
     # -- checkpoint surface (the strategy gathers/scatters full state around these) ------
 
     def state_dict(self) -> dict[str, Any]:
+        self.wait()
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.wait()
         self.optimizer.load_state_dict(state_dict)
         self._full_to_shard = {id(s.param): s.shard for s in self._slots}
 
@@ -277,3 +349,18 @@ def iter_sharded(optimizers: Iterable[Optimizer]) -> Iterable[ShardedOptimizer]:
         inner = getattr(opt, "_optimizer", opt)
         if isinstance(inner, ShardedOptimizer):
             yield inner
+
+
+def wait_for_parameters(optimizers: Iterable[Optimizer]) -> None:
+    """Finish the post-step gathers of every stage-1 optimizer among ``optimizers``, looking
+    through wrappers (Lightning's and Fabric's ``_optimizer``, Accelerate's ``optimizer``):
+    for code that reads parameter tensors directly after a step. A no-op for other
+    optimizers."""
+    for opt in optimizers:
+        for _ in range(4):  # a few wrappers deep at most
+            if isinstance(opt, ShardedOptimizer):
+                opt.wait()
+                break
+            opt = getattr(opt, "_optimizer", None) or getattr(opt, "optimizer", None)
+            if opt is None:
+                break
