@@ -38,7 +38,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
     import zeropp_strategy  # noqa: F401
     from zeropp_strategy.comm.ledger import CommKind
     from zeropp_strategy.rlhf.models import tiny_llama_config
-    from zeropp_strategy.rlhf.ppo import PPOModule
+    from zeropp_strategy.recipes.ppo import PPOModule
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     cfg = tiny_llama_config(hidden_size=args.hidden, intermediate_size=3 * args.hidden,

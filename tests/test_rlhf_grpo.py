@@ -35,7 +35,7 @@ def constant(prompts, completions, **columns):
 def test_grpo_trains_the_actor_only_and_builds_no_reference_at_beta_0(tmp_path):
     from lightning.pytorch import seed_everything
 
-    from zeropp_strategy.rlhf.grpo import GRPOModule
+    from zeropp_strategy.recipes.grpo import GRPOModule
 
     seed_everything(0)
     module = GRPOModule(**{**ARGS, "eval_data": "embedded:addition"}, reward_funcs=[odd_length])
@@ -60,7 +60,7 @@ def test_grpo_trains_the_actor_only_and_builds_no_reference_at_beta_0(tmp_path):
 def test_grpo_with_beta_keeps_the_reference_and_the_reward_model_frozen(tmp_path):
     from lightning.pytorch import seed_everything
 
-    from zeropp_strategy.rlhf.grpo import GRPOModule
+    from zeropp_strategy.recipes.grpo import GRPOModule
 
     seed_everything(0)
     module = GRPOModule(**{**ARGS, "mini_batch_size": 4}, reward_funcs=[odd_length], reward_model=SMALL,
@@ -81,7 +81,7 @@ def test_grpo_with_beta_keeps_the_reference_and_the_reward_model_frozen(tmp_path
 def test_dynamic_sampling_refills_with_groups_that_have_signal(tmp_path):
     from lightning.pytorch import seed_everything
 
-    from zeropp_strategy.rlhf.grpo import GRPOModule
+    from zeropp_strategy.recipes.grpo import GRPOModule
 
     seed_everything(0)
     module = GRPOModule(**ARGS, reward_funcs=[odd_length_on_tens], dynamic_sampling=True, max_sampling_rounds=8)
@@ -104,7 +104,7 @@ def test_dynamic_sampling_refills_with_groups_that_have_signal(tmp_path):
 
 
 def test_grpo_bad_hyperparameters_name_the_field():
-    from zeropp_strategy.rlhf.grpo import GRPOModule
+    from zeropp_strategy.recipes.grpo import GRPOModule
 
     cases = [
         (dict(advantage_estimator="ppo"), r"advantage_estimator='ppo'\) is invalid.*Fix: use one of grpo"),
@@ -163,7 +163,7 @@ def _grpo_runs(rank: int, world: int, tmp: str) -> dict:
     from lightning.pytorch import Callback, Trainer, seed_everything
 
     import zeropp_strategy  # noqa: F401
-    from zeropp_strategy.rlhf.grpo import GRPOModule
+    from zeropp_strategy.recipes.grpo import GRPOModule
 
     class Record(Callback):
         def __init__(self):

@@ -8,8 +8,9 @@ import math
 import pytest
 import torch
 
+from zeropp_strategy.recipes.reward import RewardModule
+from zeropp_strategy.recipes.sft import SFTModule
 from zeropp_strategy.rlhf.models import ScalarHeadModel, tiny_llama_config
-from zeropp_strategy.rlhf.modules import RewardModule, SFTModule
 
 SMALL = tiny_llama_config(hidden_size=32, intermediate_size=64, num_hidden_layers=2)
 
@@ -77,7 +78,7 @@ def test_reward_model_trains_and_stores_its_statistics(tmp_path):
 
 
 def test_dpo_starts_at_log2_and_keeps_the_reference_frozen_and_in_eval(tmp_path):
-    from zeropp_strategy.rlhf.modules import DPOModule, sequence_logprobs
+    from zeropp_strategy.recipes.dpo import DPOModule, sequence_logprobs
 
     torch.manual_seed(0)
     module = DPOModule(model={**SMALL, "attention_dropout": 0.1}, batch_size=8)
@@ -171,7 +172,7 @@ def test_reward_model_with_lora_exports_a_folder_that_scores_the_same(tmp_path):
 
 
 def test_dpo_precomputed_reference_matches_the_live_one_and_frees_the_model(tmp_path):
-    from zeropp_strategy.rlhf.modules import DPOModule
+    from zeropp_strategy.recipes.dpo import DPOModule
 
     torch.manual_seed(0)
     live = DPOModule(model=SMALL, batch_size=4)

@@ -82,7 +82,7 @@ def _trainer(tmp_path, batches, **kw):
 def test_ppo_trains_the_actor_and_critic_only_and_keeps_dropout_off(tmp_path):
     from lightning.pytorch import seed_everything
 
-    from zeropp_strategy.rlhf.ppo import PPOModule
+    from zeropp_strategy.recipes.ppo import PPOModule
 
     seed_everything(0)
     module = PPOModule(**PPO_ARGS, ema_decay=0.5, ptx_coef=0.1, ptx_data="embedded:addition")
@@ -106,7 +106,7 @@ def test_ppo_trains_the_actor_and_critic_only_and_keeps_dropout_off(tmp_path):
 
 
 def test_ppo_bad_hyperparameters_name_the_field():
-    from zeropp_strategy.rlhf.ppo import PPOModule
+    from zeropp_strategy.recipes.ppo import PPOModule
 
     with pytest.raises(ValueError, match=r"PPOModule\(kl_estimator='k9'\) is invalid.*Fix"):
         PPOModule(actor=SMALL, reward_model=SMALL, kl_estimator="k9")
@@ -119,7 +119,7 @@ def test_ppo_bad_hyperparameters_name_the_field():
 def test_export_loads_with_from_pretrained_and_generates(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from zeropp_strategy.rlhf.ppo import PPOModule
+    from zeropp_strategy.recipes.ppo import PPOModule
 
     torch.manual_seed(0)
     module = PPOModule(**PPO_ARGS, lora={"r": 4, "target_modules": ["q_proj", "v_proj"]})
@@ -227,7 +227,7 @@ def _ppo_runs(rank: int, world: int, tmp: str) -> dict:
 
     import zeropp_strategy  # noqa: F401
     from zeropp_strategy.comm.ledger import CommKind
-    from zeropp_strategy.rlhf.ppo import PPOModule
+    from zeropp_strategy.recipes.ppo import PPOModule
 
     keys = ("train_policy_loss", "train_value_loss", "train_reward", "train_kl", "train_entropy")
 

@@ -1,2 +1,9 @@
 """RLHF building blocks (the InstructGPT / DeepSpeed-Chat pipeline, and the GRPO family on
-verifiable rewards): formulas in ``ops`` and ``grpo_ops``."""
+verifiable rewards): formulas in ``ops`` and ``grpo_ops``; records and collators in
+``data``; networks in ``models``; sampling in ``generation``; the Hugging Face export in
+``export``; reward functions and the embedded task in ``rewards`` and ``task``; the
+``zeropp fit`` and ``zeropp pipeline`` commands in ``cli`` and ``pipeline``.
+
+The LightningModules built on them live in ``zeropp_strategy.recipes`` (the repository's
+``recipes/`` folder, beside their YAML); ``modules``, ``ppo`` and ``grpo`` here re-export
+them from their old import paths."""

@@ -27,9 +27,11 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.cli import LightningCLI
 
 import zeropp_strategy  # noqa: F401 - registers the strategy names
-import zeropp_strategy.rlhf.modules  # noqa: F401 - makes the short class names resolvable
-import zeropp_strategy.rlhf.grpo  # noqa: F401
-import zeropp_strategy.rlhf.ppo  # noqa: F401
+import zeropp_strategy.recipes.dpo  # noqa: F401 - makes the short class names resolvable
+import zeropp_strategy.recipes.grpo  # noqa: F401
+import zeropp_strategy.recipes.ppo  # noqa: F401
+import zeropp_strategy.recipes.reward  # noqa: F401
+import zeropp_strategy.recipes.sft  # noqa: F401
 from zeropp_strategy.errors import UsageError, check_arguments
 
 __all__ = ["fit"]

@@ -17,6 +17,7 @@ and the same under every strategy.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
@@ -29,7 +30,7 @@ from zeropp_strategy.fsdp_private import keep_unsharded_after_forward
 from zeropp_strategy.rlhf.models import positions
 from zeropp_strategy.rlhf.ops import sampling_logits
 
-__all__ = ["decode_responses", "gathered", "sample"]
+__all__ = ["cache_name", "decode_responses", "gathered", "sample"]
 
 
 @contextmanager
@@ -61,8 +62,9 @@ def sample(
     ``[batch, n]`` (``n <= max_new_tokens``), ``pad_id`` after each row's EOS.
 
     ``model`` is a Hugging Face causal LM (or anything called the same way:
-    ``input_ids, attention_mask, position_ids, past_key_values, use_cache`` in,
-    ``.logits`` and ``.past_key_values`` out).
+    ``input_ids, attention_mask, position_ids, use_cache`` and the KV cache in, ``.logits``
+    and the KV cache out; the cache's name, ``cache`` or ``past_key_values``, is the one
+    the installed transformers uses: see ``cache_name``).
 
     ``stop_when_done`` stops as soon as every row has its EOS. Pass False when each
     forward is a collective (stage 3 outside ``gathered``): ranks would stop after
@@ -71,7 +73,8 @@ def sample(
     mask = attention_mask.long()
     pos = positions(mask)
     out = model(input_ids=input_ids, attention_mask=mask, position_ids=pos, use_cache=True)
-    cache, logits = out.past_key_values, out.logits[:, -1]
+    name = cache_name(model, out)
+    cache, logits = getattr(out, name), out.logits[:, -1]
     next_pos = pos[:, -1] + 1
     done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
     tokens: list[Tensor] = []
@@ -86,10 +89,29 @@ def sample(
             break
         mask = torch.cat([mask, real.unsqueeze(1)], dim=1)
         out = model(input_ids=token.unsqueeze(1), attention_mask=mask, position_ids=next_pos.unsqueeze(1),
-                    past_key_values=cache, use_cache=True)
-        cache, logits = out.past_key_values, out.logits[:, -1]
+                    use_cache=True, **{name: cache})
+        cache, logits = getattr(out, name), out.logits[:, -1]
         next_pos = next_pos + 1
     return torch.stack(tokens, dim=1)
+
+
+def cache_name(model: Callable[..., Any], out: Any) -> str:
+    """The name a causal LM takes and returns its KV cache by: ``cache`` from transformers
+    5.x on, ``past_key_values`` in 4.x. transformers 5.x still accepts the old name but
+    warns (a ``FutureWarning``) on every forward, so the name is read from the model, never
+    guessed by passing one (a model's ``**kwargs`` would swallow a name it does not know).
+
+    From the signature of ``model.forward`` (through peft's wrapper, whose forward takes
+    ``*args, **kwargs``, to the base model's); for a callable whose signature names neither
+    (a wrapper taking ``**kwargs``), from the fields of ``out``, its first output.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    params = inspect.signature(getattr(base, "forward", base)).parameters
+    for name in ("cache", "past_key_values"):
+        if name in params:
+            return name
+    fields = getattr(out, "__dataclass_fields__", None) or vars(out)
+    return "cache" if "cache" in fields else "past_key_values"
 
 
 def decode_responses(tokenizer: Any, response: Tensor, eos_id: int) -> list[str]:

@@ -89,9 +89,10 @@ def _check_keys(recipe: dict[str, Any], where: str) -> None:
     """Each ``model`` block against its module's ``__init__``, each ``trainer`` block against ``Trainer``'s."""
     from lightning.pytorch import Trainer
 
-    from zeropp_strategy.rlhf.grpo import GRPOModule
-    from zeropp_strategy.rlhf.modules import RewardModule, SFTModule
-    from zeropp_strategy.rlhf.ppo import PPOModule
+    from zeropp_strategy.recipes.grpo import GRPOModule
+    from zeropp_strategy.recipes.ppo import PPOModule
+    from zeropp_strategy.recipes.reward import RewardModule
+    from zeropp_strategy.recipes.sft import SFTModule
 
     modules = {"sft": SFTModule, "reward": RewardModule, "ppo": PPOModule, "grpo": GRPOModule}
     check_arguments(Trainer, _mapping(recipe.get("trainer"), f"{where}: trainer"), f"{where}: trainer")
@@ -171,8 +172,9 @@ def run_pipeline(recipe: dict[str, Any], output_dir: str | Path, *, strategy: st
     from lightning.pytorch import seed_everything
 
     import zeropp_strategy  # noqa: F401 - registers the strategy names
+    from zeropp_strategy.recipes.reward import RewardModule
+    from zeropp_strategy.recipes.sft import SFTModule
     from zeropp_strategy.rlhf.data import load_records
-    from zeropp_strategy.rlhf.modules import RewardModule, SFTModule
 
     if rl not in RL_STAGES:
         raise UsageError(f"zeropp pipeline --rl {rl!r} is unknown", f"use one of {', '.join(RL_STAGES)}")
@@ -238,11 +240,11 @@ def _rl_module(rl: str, block: dict[str, Any], root: Path) -> Any:
     """The RL stage's module: PPO reads the SFT and reward folders, GRPO the SFT folder
     (its reward is the task's check unless the recipe names reward functions)."""
     if rl == "ppo":
-        from zeropp_strategy.rlhf.ppo import PPOModule
+        from zeropp_strategy.recipes.ppo import PPOModule
 
         return PPOModule(**{"actor": str(root / "sft"), "reward_model": str(root / "reward"), **block,
                             "export_dir": str(root / "actor")})
-    from zeropp_strategy.rlhf.grpo import GRPOModule
+    from zeropp_strategy.recipes.grpo import GRPOModule
 
     return GRPOModule(**{"actor": str(root / "sft"), **block, "export_dir": str(root / "actor")})
 
