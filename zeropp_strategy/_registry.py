@@ -17,9 +17,8 @@ the outermost one completes.
 
 ``lightning.pytorch`` and the standalone ``pytorch_lightning`` are separate packages
 with separate base classes: a ``lightning.pytorch`` strategy is rejected by a
-``pytorch_lightning.Trainer``. Lightning itself ships the second as a source-level
-mirror of the first, so we do the same for our two Lightning-facing modules: load
-their source with the package names swapped, under private module names.
+``pytorch_lightning.Trainer``. So ``pytorch_lightning`` gets its own ``ZeroPPStrategy``,
+from ``_pytorch_lightning.py`` (see [Note: two Lightning packages] there).
 """
 
 from __future__ import annotations
@@ -31,42 +30,14 @@ import importlib.util
 import sys
 from types import ModuleType
 
-_MIRRORED = ("precision", "resume", "evaluation", "strategy")  # in dependency order
-_SWAPS = (
-    ("lightning.pytorch", "pytorch_lightning"),
-    ("lightning.fabric", "lightning_fabric"),
-    ("zeropp_strategy.precision", "zeropp_strategy._pl_precision"),
-    ("zeropp_strategy.resume", "zeropp_strategy._pl_resume"),
-    ("zeropp_strategy.evaluation", "zeropp_strategy._pl_evaluation"),
-)
-
-
-def _mirror(name: str) -> ModuleType:
-    """``zeropp_strategy.<name>`` rebuilt against ``pytorch_lightning``."""
-    mirror_name = f"zeropp_strategy._pl_{name}"
-    if mirror_name in sys.modules:
-        return sys.modules[mirror_name]
-    spec = importlib.util.find_spec(f"zeropp_strategy.{name}")
-    assert spec is not None and spec.origin is not None
-    with open(spec.origin, encoding="utf-8") as f:
-        source = f.read()
-    for old, new in _SWAPS:
-        source = source.replace(old, new)
-    module = ModuleType(mirror_name)
-    module.__file__ = spec.origin
-    module.__package__ = "zeropp_strategy"
-    sys.modules[mirror_name] = module
-    exec(compile(source, spec.origin, "exec"), module.__dict__)  # noqa: S102 - our own source
-    return module
-
 
 def pytorch_lightning_strategy() -> type | None:
     """``ZeroPPStrategy`` for ``pytorch_lightning.Trainer``, or None if not installed."""
     if importlib.util.find_spec("pytorch_lightning") is None:
         return None
-    for name in _MIRRORED:
-        _mirror(name)
-    return sys.modules["zeropp_strategy._pl_strategy"].ZeroPPStrategy
+    from zeropp_strategy._pytorch_lightning import ZeroPPStrategy
+
+    return ZeroPPStrategy
 
 
 _TARGETS = {  # top-level package -> who registers there

@@ -4,13 +4,14 @@ left gathered. A mixin of the strategy (listed before ``ParallelStrategy``), kep
 that strategy.py reads as the adapter it is.
 
 Uneven loaders: see [Note: uneven evaluation] in engine/uneven.py.
+
+No Lightning package is named here, so both flavours' strategies share the mixin; the one
+class it builds, the loop's ``_ResultCollection``, is the host's ``_result_collection_cls``.
 """
 
 from __future__ import annotations
 
 from typing import Any
-
-from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
 
 from zeropp_strategy.comm.ledger import Phase
 from zeropp_strategy.engine.uneven import EvenBatches
@@ -20,6 +21,8 @@ __all__ = ["EvaluationMixin"]
 
 class EvaluationMixin:
     """Evaluation hooks of ``ZeroPPStrategy`` (see the module docstring)."""
+
+    _result_collection_cls: Any  # the flavour's _ResultCollection, set by the strategy class
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.val_step_context(), self.session.phase(Phase.FORWARD):
@@ -57,7 +60,7 @@ class EvaluationMixin:
         # A padding batch: run the step (its forwards are collectives the other ranks are in)
         # but throw away what it logs and returns.
         kept = loop._results
-        scratch = _ResultCollection(training=False)
+        scratch = self._result_collection_cls(training=False)
         scratch.batch, scratch.batch_size, scratch.dataloader_idx = kept.batch, kept.batch_size, kept.dataloader_idx
         loop._results = scratch
         try:

@@ -6,6 +6,10 @@ forward contexts, loss scaling around the optimizer step, gradient clipping, sca
 The framework-free pieces live in the engine and are re-exported here, where they have
 always been importable from: ``ShardedGradScaler`` ([Note: global inf check]),
 ``clip_grad_norm`` and its stage variants, ``clip_grad_value``, ``local_grads``.
+
+The hooks are ``PrecisionMixin``, which names no Lightning package; ``ZeroPPPrecision`` is
+that mixin on ``lightning.pytorch``'s ``Precision``, and ``_pytorch_lightning.py`` puts it on
+the standalone ``pytorch_lightning``'s ([Note: two Lightning packages] there).
 """
 
 from __future__ import annotations
@@ -15,7 +19,6 @@ from contextlib import contextmanager
 from typing import Any
 
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import Tensor
 from torch.optim import LBFGS, Optimizer
 
@@ -35,6 +38,7 @@ from zeropp_strategy.engine.stage1 import ShardedOptimizer
 __all__ = [  # the plugin, and the engine's pieces re-exported from their old home
     "SUPPORTED",
     "PrecisionFlag",
+    "PrecisionMixin",
     "ShardedGradScaler",
     "ZeroPPPrecision",
     "clip_grad_norm",
@@ -46,11 +50,10 @@ __all__ = [  # the plugin, and the engine's pieces re-exported from their old ho
 ]
 
 
-class ZeroPPPrecision(PrecisionPolicy, Precision):
-    """Lightning precision plugin for ``ZeroPPStrategy`` (any of the flags in the table of
-    engine/precision.py). The dtype policy and the scaler come from ``PrecisionPolicy``
-    (first in the MRO, so its ``convert_module`` is the one Lightning calls); the hooks
-    below are Lightning's."""
+class PrecisionMixin(PrecisionPolicy):
+    """Lightning's precision hooks over ``PrecisionPolicy``, for either Lightning package. A
+    package's plugin lists this class, then that package's ``Precision``: the policy comes
+    first in the MRO, so its ``convert_module`` is the one Lightning calls."""
 
     @contextmanager
     def tensor_init_context(self) -> Generator[None, None, None]:
@@ -96,11 +99,11 @@ class ZeroPPPrecision(PrecisionPolicy, Precision):
         self,
         optimizer: Optimizer,
         clip_val: int | float = 0.0,
-        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+        gradient_clip_algorithm: str = "norm",  # either flavour's GradClipAlgorithmType: a str enum
     ) -> None:
         if clip_val <= 0:
             return
-        if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
+        if gradient_clip_algorithm == "value":
             clip_grad_value(optimizer, clip_val)
         else:
             clip_grad_norm(optimizer, clip_val, ledger=self.ledger)
@@ -119,13 +122,22 @@ class ZeroPPPrecision(PrecisionPolicy, Precision):
             self.scaler.load_state_dict(state_dict)
 
 
-def from_lightning_plugin(plugin: Precision, device: str) -> ZeroPPPrecision:
-    """Translate the plugin Lightning's connector chose for a ``precision=`` flag."""
-    if isinstance(plugin, ZeroPPPrecision):
-        return plugin
-    flag = str(getattr(plugin, "precision", "32-true"))
-    if flag in ("32", "32-true"):
-        flag = "32-true"
-    # Lightning's MixedPrecision knows the accelerator ("cuda"/"cpu"); ours is rebound in
-    # setup_environment anyway (see ZeroPPPrecision.bind).
-    return ZeroPPPrecision(flag, device=getattr(plugin, "device", device))  # type: ignore[arg-type]
+    @classmethod
+    def from_lightning_plugin(cls, plugin: Any, device: str) -> PrecisionMixin:
+        """Translate the plugin Lightning's connector chose for a ``precision=`` flag."""
+        if isinstance(plugin, cls):
+            return plugin
+        flag = str(getattr(plugin, "precision", "32-true"))
+        if flag in ("32", "32-true"):
+            flag = "32-true"
+        # Lightning's MixedPrecision knows the accelerator ("cuda"/"cpu"); ours is rebound in
+        # setup_environment anyway (see PrecisionPolicy.bind).
+        return cls(flag, device=getattr(plugin, "device", device))  # type: ignore[arg-type]
+
+
+class ZeroPPPrecision(PrecisionMixin, Precision):
+    """Lightning precision plugin for ``ZeroPPStrategy`` (any of the flags in the table of
+    engine/precision.py): ``PrecisionMixin`` on ``lightning.pytorch``'s ``Precision``."""
+
+
+from_lightning_plugin = ZeroPPPrecision.from_lightning_plugin  # its old name

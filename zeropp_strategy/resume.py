@@ -5,6 +5,10 @@ strategy sees that argument before the checkpoint is restored) fills it in with 
 complete checkpoint of the resume directory; once the process group exists, every rank
 checks that all chose the same one. Interrupted saves (``.tmp-`` siblings, directories
 without their meta file) are never chosen (``checkpoint.atomic.find_checkpoints``).
+
+``ResumingLauncherMixin`` names no Lightning package: ``ResumingLauncher`` is it on
+``lightning.pytorch``'s script launcher, and ``_pytorch_lightning.py`` puts it on the
+standalone ``pytorch_lightning``'s ([Note: two Lightning packages] there).
 """
 
 from __future__ import annotations
@@ -13,40 +17,45 @@ import inspect
 from pathlib import Path
 from typing import Any
 
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from zeropp_strategy.checkpoint.atomic import find_checkpoints
 from zeropp_strategy.comm.control import all_gather_object
 
-__all__ = ["ResumingLauncher", "check_same_choice", "resume_path"]
+__all__ = ["ResumingLauncher", "ResumingLauncherMixin", "check_same_choice", "resume_path"]
 
 
-class ResumingLauncher(_SubprocessScriptLauncher):
-    """Lightning's script launcher; for a strategy with ``resume`` set it also fills in
-    ``trainer.fit``'s ``ckpt_path`` when the caller gave none, and hands the choice to the
-    strategy (``_resume_choice``) for ``check_same_choice``."""
+class ResumingLauncherMixin:
+    """For a Lightning script launcher (listed before it): for a strategy with ``resume`` set,
+    fills in ``trainer.fit``'s ``ckpt_path`` when the caller gave none, with the strategy's
+    ``resume_path(trainer)``, and hands the choice to the strategy (``_resume_choice``) for
+    ``check_same_choice``."""
 
     def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         strategy = getattr(trainer, "strategy", None)
         if getattr(strategy, "resume", None) is not None and getattr(function, "__name__", "") == "_fit_impl":
             bound = inspect.signature(function).bind(*args, **kwargs)
             if bound.arguments.get("ckpt_path") is None:
-                bound.arguments["ckpt_path"] = choice = resume_path(strategy.resume, trainer)
+                bound.arguments["ckpt_path"] = choice = strategy.resume_path(trainer)
                 strategy._resume_choice = [choice]
             args, kwargs = bound.args, bound.kwargs
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
 
-def resume_path(resume: str | Path | None, trainer: Any) -> str | None:
+class ResumingLauncher(ResumingLauncherMixin, _SubprocessScriptLauncher):
+    """``lightning.pytorch``'s script launcher, filling in ``ckpt_path`` for ``resume``."""
+
+
+def resume_path(resume: str | Path | None, trainer: Any, checkpoint_cls: type) -> str | None:
     """The checkpoint ``resume`` picks for ``trainer`` now (newest complete one), or None.
-    Rank-local (no collective); raises ``ValueError`` when there is no directory to look in."""
+    Rank-local (no collective); raises ``ValueError`` when there is no directory to look in.
+    ``checkpoint_cls``: the ``ModelCheckpoint`` of the trainer's Lightning package."""
     if resume is None:
         return None
     if str(resume) == "auto":
         dirs = sorted({str(cb.dirpath) for cb in trainer.checkpoint_callbacks
-                       if isinstance(cb, ModelCheckpoint) and cb.dirpath is not None})
+                       if isinstance(cb, checkpoint_cls) and cb.dirpath is not None})
         if not dirs:
             raise ValueError(
                 "ZeroPPStrategy(resume='auto') needs a ModelCheckpoint with a fixed directory, and this "

@@ -15,14 +15,18 @@ What stays here is Lightning's own shape:
   ``configure_optimizers`` runs, so optimizers are built over the sharded parameters.
 - every ``*_step`` goes through the root module's ``__call__`` (Lightning's
   ``_ForwardRedirection``) so FSDP2's root hooks run, inside the ledger's phase.
-- checkpoints: Lightning's dict in our two formats (``checkpoint/lightning.py``).
+- checkpoints: Lightning's dict in our two formats (``checkpoint_hooks.py``).
 - evaluation at stage 3: uneven loaders evened ([Note: uneven evaluation]), gathered
-  parameters freed at the end of each loop.
+  parameters freed at the end of each loop (``evaluation.py``).
+
+Every hook is in ``StrategyMixin``, which names no Lightning package; ``ZeroPPStrategy`` at
+the end is that mixin on ``lightning.pytorch``'s ``ParallelStrategy``, plus a short table of
+that package's own names ([Note: two Lightning packages] in ``_pytorch_lightning.py``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -33,23 +37,23 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.overrides.distributed import prepare_for_backward
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.ddp import _DDPForwardRedirection
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import _ForwardRedirection
+from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from zeropp_strategy._process import ProcessMixin
-from zeropp_strategy.checkpoint import lightning as layout
-from zeropp_strategy.checkpoint.atomic import remove_path
-from zeropp_strategy.checkpoint.protocol import load_callback_tensors
+from zeropp_strategy.checkpoint_hooks import CheckpointMixin
 from zeropp_strategy.comm.ledger import CommLedger, Phase
 from zeropp_strategy.config import ZeroConfig
 from zeropp_strategy.engine.core import ZeroEngine
@@ -57,7 +61,7 @@ from zeropp_strategy.engine.fsdp import ShardedRoot, fsdp_modules
 from zeropp_strategy.engine.guards import check_nonfinite_policy
 from zeropp_strategy.engine.memory import MemoryStats, memory_stats
 from zeropp_strategy.evaluation import EvaluationMixin
-from zeropp_strategy.precision import ZeroPPPrecision, from_lightning_plugin
+from zeropp_strategy.precision import PrecisionMixin, ZeroPPPrecision
 from zeropp_strategy.presets import PRESETS as PRESETS  # re-export: zeropp_strategy.strategy.PRESETS
 from zeropp_strategy.resume import ResumingLauncher, check_same_choice, resume_path
 from zeropp_strategy.session import ZeroSession
@@ -66,35 +70,19 @@ from zeropp_strategy.topology import Meshes, Topology
 _ResumingLauncher = ResumingLauncher  # its old name
 
 
-class ZeroPPStrategy(EvaluationMixin, ProcessMixin, ParallelStrategy):
-    """ZeRO data parallelism: stage 1 (sharded optimizer state), 2 (+ sharded gradients),
-    3 (+ sharded parameters), with ZeRO++ collectives and offload as configured.
+class StrategyMixin(CheckpointMixin, EvaluationMixin, ProcessMixin):
+    """Every hook of ``ZeroPPStrategy``, for either Lightning package; its arguments are
+    documented there. A package's class lists this mixin before its ``ParallelStrategy`` and
+    sets the names below ([Note: two Lightning packages] in ``_pytorch_lightning.py``)."""
 
-    Args:
-        config: a ``ZeroConfig``, a dict of its fields, or a path to a YAML file or a
-            DeepSpeed JSON config (its ``zero_optimization`` block is read).
-        accelerator, parallel_devices, cluster_environment, checkpoint_io,
-        precision_plugin: as for every Lightning strategy (usually set by the Trainer).
-        process_group_backend: ``"gloo"``/``"nccl"``; default from the device.
-        timeout: collective timeout.
-        on_nonfinite: what a NaN/inf loss or gradient does (fp32/bf16; fp16's loss scaler
-            handles overflow itself): ``"ignore"`` (default, no check), ``"raise"``
-            (``FloatingPointError`` on every rank naming the step, the first non-finite
-            parameter and its rank), ``"skip"`` (no update for that step on any rank). The
-            check is one all-reduce of a flag per optimizer step.
-        resume: ``"auto"``: when ``trainer.fit`` is called without ``ckpt_path``, resume
-            from the newest complete checkpoint in the directories of the Trainer's
-            ``ModelCheckpoint`` callbacks (their ``dirpath`` must be set: the default one
-            changes with every run's version), or start from scratch when there is none.
-            A directory path: the same, in that directory. Interrupted saves are never
-            chosen. Made for restarts (torchrun ``--max-restarts``, a scheduler's requeue):
-            the same command resumes where the job died. ``None`` (default): off.
-        **config_fields: any ``ZeroConfig`` field, overriding ``config`` (e.g.
-            ``stage=2``, ``wrap_modules=["GPT2Block"]``).
-    """
+    _precision_cls: type[PrecisionMixin]  # and _launcher_cls (ProcessMixin), _result_collection_cls
+    _trainer_fn: Any  # TrainerFn
+    _forward_redirection_cls: type  # _ForwardRedirection
+    _ddp_forward_redirection_cls: type  # _DDPForwardRedirection
+    _prepare_for_backward: Callable[[DistributedDataParallel, Any], None]
+    _model_checkpoint_cls: type  # ModelCheckpoint, for resume="auto"
 
     strategy_name = "zeropp"
-    _launcher_cls = ResumingLauncher
     _registry_label = ""
 
     def __init__(
@@ -130,8 +118,8 @@ class ZeroPPStrategy(EvaluationMixin, ProcessMixin, ParallelStrategy):
         self._num_nodes = 1
         self._process_group_backend = process_group_backend
         self._timeout = timeout
-        self._fsdp_redirection = _ForwardRedirection()
-        self._ddp_redirection = _DDPForwardRedirection()
+        self._fsdp_redirection = self._forward_redirection_cls()
+        self._ddp_redirection = self._ddp_forward_redirection_cls()
         self._sharded_path: Path | None = None  # the sharded checkpoint being loaded
         self._fsdp_root: ShardedRoot | None = None  # stages 2/3, see [Note: why a separate root]
         self._session: ZeroSession | None = None  # set in setup_environment
@@ -188,15 +176,14 @@ class ZeroPPStrategy(EvaluationMixin, ProcessMixin, ParallelStrategy):
         stores = self._session.engine.param_stores if self._session is not None else []
         return stores[-1] if stores else None
 
+    def _fsdp_groups(self) -> list[Module]:
+        """The modules FSDP2 shards as one group each (blocks, then the root)."""
+        return list(fsdp_modules(self._fsdp_root)) if self._fsdp_root is not None else []
+
     @property
     def is_distributed(self) -> bool:
         # Lightning injects a DistributedSampler (and reduces sync_dist logs) only for
         # strategies it knows or that say so here.
-        return True
-
-    @property
-    def restore_checkpoint_after_setup(self) -> bool:
-        # Sharded parameters exist only after setup; load into them, not before.
         return True
 
     def comm_stats(self, reset: bool = False) -> dict[str, Any]:
@@ -219,15 +206,17 @@ class ZeroPPStrategy(EvaluationMixin, ProcessMixin, ParallelStrategy):
     # -- precision ------------------------------------------------------------------------
 
     @property
-    def precision_plugin(self) -> ZeroPPPrecision:
+    def precision_plugin(self) -> PrecisionMixin:
         plugin = self._precision_plugin
         if plugin is None:
-            plugin = self._precision_plugin = ZeroPPPrecision("32-true", device=self._device_type())
+            plugin = self._precision_plugin = self._precision_cls("32-true", device=self._device_type())
         return plugin  # type: ignore[return-value]
 
     @precision_plugin.setter
     def precision_plugin(self, plugin: Precision | None) -> None:
-        self._precision_plugin = None if plugin is None else from_lightning_plugin(plugin, self._device_type())
+        if plugin is not None:
+            plugin = self._precision_cls.from_lightning_plugin(plugin, self._device_type())
+        self._precision_plugin = plugin
 
     def _device_type(self) -> str:
         devices = self.parallel_devices
@@ -244,7 +233,7 @@ class ZeroPPStrategy(EvaluationMixin, ProcessMixin, ParallelStrategy):
     def resume_path(self, trainer: Any) -> str | None:
         """The checkpoint ``resume`` picks for ``trainer`` now (newest complete one), or None.
         Rank-local (no collective); raises ``ValueError`` when there is no directory to look in."""
-        return resume_path(self.resume, trainer)
+        return resume_path(self.resume, trainer, self._model_checkpoint_cls)
 
     def setup_environment(self) -> None:
         super().setup_environment()
@@ -263,7 +252,7 @@ class ZeroPPStrategy(EvaluationMixin, ProcessMixin, ParallelStrategy):
     def setup(self, trainer: Any) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
-        fitting = trainer.state.fn == TrainerFn.FITTING
+        fitting = trainer.state.fn == self._trainer_fn.FITTING
         if self.stage == 1:
             # Meta-device init: materialized on every rank; DDP's construction (or, outside
             # fit, a broadcast) then gives every replica rank 0's values.
@@ -319,7 +308,7 @@ class ZeroPPStrategy(EvaluationMixin, ProcessMixin, ParallelStrategy):
     def pre_backward(self, closure_loss: Tensor) -> None:
         # Manual optimization under DDP (stage 1) must tell the reducer what to expect.
         if isinstance(self.model, DistributedDataParallel) and not self.lightning_module.automatic_optimization:
-            prepare_for_backward(self.model, closure_loss)
+            self._prepare_for_backward(self.model, closure_loss)
 
     def post_backward(self, closure_loss: Tensor) -> None:
         self.session.after_backward([self._fsdp_root if self._fsdp_root is not None else self.model])
@@ -352,65 +341,6 @@ class ZeroPPStrategy(EvaluationMixin, ProcessMixin, ParallelStrategy):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
-    # -- checkpoints: Lightning's dict in our two formats (checkpoint/lightning.py) ----------
-
-    @property
-    def state_dict_type(self) -> str:
-        return self.config.resolved_state_dict_type()
-
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        assert self.lightning_module is not None
-        return layout.model_state(self.lightning_module, sharded=self.state_dict_type == "sharded",
-                                  keep=self.is_global_zero, ledger=self.comm_ledger)
-
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        assert self.lightning_module is not None
-        return layout.optimizer_state(self.lightning_module, optimizer, sharded=self.state_dict_type == "sharded",
-                                      keep=self.is_global_zero, ledger=self.comm_ledger)
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        if storage_options is not None:
-            raise TypeError(
-                "ZeroPPStrategy.save_checkpoint(storage_options=...) is not supported: checkpoints are "
-                "written by the strategy, not a CheckpointIO plugin. Fix: drop storage_options."
-            )
-        assert self.lightning_module is not None
-        path = Path(self.broadcast(str(filepath)))
-        zeropp = layout.info(self.lightning_module, stage=self.stage, world_size=self.world_size,
-                             config=self.config.to_dict())
-        layout.save(path, checkpoint, self.lightning_module, nonce=self.session.new_nonce(),
-                    full=self.state_dict_type == "full", zeropp=zeropp, rank_zero=self.is_global_zero,
-                    barrier=self.barrier)
-
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint, self._sharded_path = layout.open_checkpoint(Path(self.broadcast(str(checkpoint_path))),
-                                                                weights_only)
-        return checkpoint
-
-    def load_callback_tensors(self, state: Mapping[str, Any], targets: dict[str, Tensor]) -> bool:
-        """For callbacks whose ``state_dict()`` put DTensor shards under ``CALLBACK_TENSORS``:
-        in a sharded checkpoint those were saved with the model; read them into ``targets``
-        (DTensors laid out as now, filled in place). Returns False when ``state`` holds no
-        such reference (a full checkpoint: the callback's state has the tensors itself)."""
-        return load_callback_tensors(self._sharded_path, state, targets)
-
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        assert self.lightning_module is not None
-        layout.load_model_state(self.lightning_module, checkpoint, self._sharded_path, strict=strict)
-
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        assert self.lightning_module is not None
-        layout.load_optimizer_states(self.lightning_module, list(self.optimizers), checkpoint, self._sharded_path)
-
-    def remove_checkpoint(self, filepath: Any) -> None:
-        """ModelCheckpoint's top-k removal: files and sharded directories alike."""
-        if self.is_global_zero:
-            remove_path(Path(filepath))
-
-    def _fsdp_groups(self) -> list[Module]:
-        """The modules FSDP2 shards as one group each (blocks, then the root)."""
-        return list(fsdp_modules(self._fsdp_root)) if self._fsdp_root is not None else []
-
     # -- teardown ------------------------------------------------------------------------
 
     def on_exception(self, exception: BaseException) -> None:
@@ -422,6 +352,48 @@ class ZeroPPStrategy(EvaluationMixin, ProcessMixin, ParallelStrategy):
         # fit needs them); they are removed when the optimizer is freed or at exit.
         if isinstance(self.model, DistributedDataParallel):
             self.model = self.lightning_module
+        module = self.lightning_module
+        if module is not None and any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+            # set-up stopped before materializing (a refused memory plan): moving meta tensors would hide it
+            self._lightning_module = None
         assert self.cluster_environment is not None
         self.cluster_environment.teardown()
         super().teardown()
+
+
+class ZeroPPStrategy(StrategyMixin, ParallelStrategy):
+    """ZeRO data parallelism: stage 1 (sharded optimizer state), 2 (+ sharded gradients),
+    3 (+ sharded parameters), with ZeRO++ collectives and offload as configured.
+
+    Args:
+        config: a ``ZeroConfig``, a dict of its fields, or a path to a YAML file or a
+            DeepSpeed JSON config (its ``zero_optimization`` block is read).
+        accelerator, parallel_devices, cluster_environment, checkpoint_io,
+        precision_plugin: as for every Lightning strategy (usually set by the Trainer).
+        process_group_backend: ``"gloo"``/``"nccl"``; default from the device.
+        timeout: collective timeout.
+        on_nonfinite: what a NaN/inf loss or gradient does (fp32/bf16; fp16's loss scaler
+            handles overflow itself): ``"ignore"`` (default, no check), ``"raise"``
+            (``FloatingPointError`` on every rank naming the step, the first non-finite
+            parameter and its rank), ``"skip"`` (no update for that step on any rank). The
+            check is one all-reduce of a flag per optimizer step.
+        resume: ``"auto"``: when ``trainer.fit`` is called without ``ckpt_path``, resume
+            from the newest complete checkpoint in the directories of the Trainer's
+            ``ModelCheckpoint`` callbacks (their ``dirpath`` must be set: the default one
+            changes with every run's version), or start from scratch when there is none.
+            A directory path: the same, in that directory. Interrupted saves are never
+            chosen. Made for restarts (torchrun ``--max-restarts``, a scheduler's requeue):
+            the same command resumes where the job died. ``None`` (default): off.
+        **config_fields: any ``ZeroConfig`` field, overriding ``config`` (e.g.
+            ``stage=2``, ``wrap_modules=["GPT2Block"]``).
+    """
+
+    # lightning.pytorch's own names ([Note: two Lightning packages])
+    _launcher_cls = ResumingLauncher
+    _precision_cls = ZeroPPPrecision
+    _result_collection_cls = _ResultCollection
+    _trainer_fn = TrainerFn
+    _forward_redirection_cls = _ForwardRedirection
+    _ddp_forward_redirection_cls = _DDPForwardRedirection
+    _prepare_for_backward = staticmethod(prepare_for_backward)
+    _model_checkpoint_cls = ModelCheckpoint
