@@ -497,6 +497,7 @@ _FIELD_VALUES = {
     "frozen_weight_bits": _mostly(st.sampled_from([2, 4, 8, 16])),
     "offload_optimizer": _offload,
     "offload_param": _offload,
+    "host_memory_budget_bytes": _mostly(st.sampled_from(["auto", None, 2**30, 2**20 - 1, "12GB", 1.5])),
     "wrap_modules": _mostly(st.one_of(_names, _names.map(tuple), st.sampled_from(["GPT2Block", LlamaDecoderLayer]))),
     "wrap_min_params": _mostly(st.integers(0, 10**7)),
     "activation_checkpointing": _mostly(st.booleans()),

@@ -814,3 +814,9 @@ def test_chat_commands_run(workdir: Path) -> None:
     answers = [line for line in out.splitlines() if line != forgot]
     assert out.count(forgot) == 1 and len(answers) == 3 and all(re.fullmatch(r"[a-z]{32}", a) for a in answers), out
     assert answers[0] == answers[1]  # --prompt "3+4=" and the first piped line: the same greedy answer
+
+
+@covers(("docs/strategy.md", "from zeropp_strategy.engine.memory_plan import MemoryPlan"))
+def test_memory_plan_reference_imports() -> None:
+    (fence,) = find("docs/strategy.md", "from zeropp_strategy.engine.memory_plan import MemoryPlan")
+    exec(fence.body, {})  # noqa: S102 - the documented import line

@@ -54,6 +54,7 @@ __all__ = [
     "keep_unsharded_after_forward",
     "padded_shard_size",
     "param_groups",
+    "reset_sharded_param",
     "set_sharded_data",
     "set_unshard_async",
     "sharded_data",
@@ -182,6 +183,14 @@ def set_sharded_data(fsdp_param: Any, data: Tensor) -> None:
     padded = data.view(padded_shard_size(fsdp_param))
     _set(fsdp_param, "_sharded_param_data", data, "the flat storage of a parameter's shard")
     _set(dtensor, "_local_tensor", padded.narrow(0, 0, rows), "the local tensor of a DTensor")
+
+
+def reset_sharded_param(fsdp_param: Any) -> None:
+    """Let FSDP2 pick up a sharded parameter that ``nn.Module._apply`` replaced (``to_empty``
+    of one submodule at a time, for example): FSDP2 does this for a whole ``fully_shard``
+    module after its own ``_apply``; a group materialized submodule by submodule needs it
+    once its parameters are real."""
+    _attr(fsdp_param, "reset_sharded_param", "re-reading a parameter that _apply replaced")()
 
 
 # -- unsharding ---------------------------------------------------------------------------

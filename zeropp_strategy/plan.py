@@ -76,6 +76,7 @@ class OffloadPolicy:
 
     offload_optimizer: OffloadConfig
     offload_param: OffloadConfig
+    host_memory_budget_bytes: int | str | None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

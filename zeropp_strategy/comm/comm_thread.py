@@ -77,12 +77,16 @@ class CommThread:
     def _run(self) -> None:
         while (item := self._jobs.get()) is not None:
             job, future = item
+            item = None  # noqa: F841 - nothing of a finished job may stay alive until the next one
             try:
                 result = job()
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
                 future.set_exception(e)
             else:
                 future.set_result(result)
+            # The job's closure holds its buffers (the root group's whole reduce-scatter input
+            # at the end of backward: 4 P_root bytes); idle, this thread must hold none of them.
+            job = future = result = None  # noqa: F841
 
     def close(self) -> None:
         """Let queued jobs finish, then stop the thread."""

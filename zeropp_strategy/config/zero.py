@@ -152,6 +152,13 @@ class ZeroConfig:
     Also accepts a dict of OffloadConfig fields, or a device string such as "cpu"."""
     offload_param: OffloadConfig = field(default_factory=OffloadConfig)
     """Parameter shards: device memory, CPU or NVMe; not "none" needs stage 3. Dict or str accepted."""
+    host_memory_budget_bytes: int | str | None = "auto"
+    """Host memory one rank may use for model states, staging buffers and (on a CPU device) the
+    gathered blocks, when anything is offloaded. At start every rank computes the plan of what
+    that memory must hold and what goes to disk, logs it once, and refuses a run that cannot fit
+    (memory or disk) before any parameter is allocated (docs/offload.md, "The memory plan").
+    "auto" = 90% of the machine's available memory (or of its cgroup's) over the ranks on the
+    machine; an int = that many bytes; None = no plan. No effect without offload."""
     wrap_modules: tuple[str, ...] = ()
     """Class names of the blocks sharded as one group each (e.g. "LlamaDecoderLayer"). Accepts a
     list/tuple of names or classes; () = auto (HF ``_no_split_modules``, else by size)."""
@@ -227,6 +234,12 @@ class ZeroConfig:
             _invalid(f"{w}.state_dict_type", sdt, f"must be a str or None, not {type(sdt).__name__}", sdt_fix, TypeError)
         if sdt not in (None, "sharded", "full"):
             _invalid(f"{w}.state_dict_type", sdt, "must be 'sharded', 'full' or None", sdt_fix)
+        budget = self.host_memory_budget_bytes
+        if budget is not None and budget != "auto":
+            put("host_memory_budget_bytes", _at_least(
+                f"{w}.host_memory_budget_bytes", budget, 2**20,
+                "use 'auto' (the machine's available memory over its ranks), a byte count such as 12 * 2**30, or "
+                "None (no memory plan)"))
         put("offload_optimizer", _offload_from(self.offload_optimizer, f"{w}.offload_optimizer"))
         put("offload_param", _offload_from(self.offload_param, f"{w}.offload_param"))
         put("wrap_modules", _wrap_names(self.wrap_modules, f"{w}.wrap_modules"))

@@ -21,7 +21,7 @@ again in backward (True), or to an intra-node secondary shard (an int, hpZ).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -40,7 +40,7 @@ from zeropp_strategy.comm.ledger import CommLedger
 from zeropp_strategy.config import ZeroConfig
 from zeropp_strategy.engine.frozen import int8_weights, quantize_frozen
 from zeropp_strategy.engine.wrap import apply_activation_checkpointing, select_blocks
-from zeropp_strategy.fsdp_private import set_unshard_async
+from zeropp_strategy.fsdp_private import group_params, param_groups, reset_sharded_param, set_unshard_async
 
 log = logging.getLogger(__name__)
 
@@ -193,8 +193,11 @@ def shard_module(
     install_comms(root, ledger, all_gather=all_gather, reduce_scatter=reduce_scatter, nodes=nodes,
                   wire_dtype=wire_dtype, deferral=deferral)
     set_prefetch(root, blocks)
-    # Offloaded shards are initialized where they rest; buffers go to the device later.
-    materialize(root, torch.device("cpu") if isinstance(offload, CPUOffloadPolicy) else device)
+    # Offloaded shards are initialized where they rest; buffers go to the device later. On
+    # NVMe the engine does it group by group once the swap files exist ([Note: streaming
+    # initialization]).
+    if config.offload_param.device != "nvme":
+        materialize(root, torch.device("cpu") if isinstance(offload, CPUOffloadPolicy) else device)
     log.info("zeropp: stage %d sharded %d blocks + root over %d ranks", config.stage, len(blocks), mesh.size())
     return blocks
 
@@ -300,16 +303,17 @@ def has_meta(module: nn.Module) -> bool:
 
 
 @torch.no_grad()
-def materialize(root: nn.Module, device: torch.device) -> None:
+def materialize(root: nn.Module, device: torch.device, *, store: Any = None) -> None:
     """Allocate and initialize meta-device tensors, shard by shard.
 
     A Hugging Face model's submodules get the model's ``_init_weights``; every other
     module with tensors of its own gets ``reset_parameters()``. Either way each rank draws
-    only its shard. Anything left uninitialized is an error, not garbage weights.
+    only its shard. Anything left uninitialized is an error, not garbage weights. With a
+    ``store`` (``offload_param="nvme"``), one FSDP group at a time ([Note: streaming
+    initialization]).
     """
     if not has_meta(root):
         return
-    root.to_empty(device=device)
     hf_init: dict[int, Callable[[nn.Module], None]] = {}
     for m in root.modules():
         init = getattr(m, "_init_weights", None)
@@ -317,7 +321,22 @@ def materialize(root: nn.Module, device: torch.device) -> None:
             for sub in m.modules():
                 hf_init.setdefault(id(sub), init)
     missing: set[str] = set()
-    for m in root.modules():
+    if store is None:
+        root.to_empty(device=device)
+        _initialize(root.modules(), hf_init, missing)
+    else:
+        _materialize_streaming(root, device, store, hf_init, missing)
+    if missing:
+        raise TypeError(
+            "configure_model created tensors on the meta device, but these modules have no "
+            f"reset_parameters() to initialize them after sharding: {sorted(missing)}. Fix: "
+            "implement reset_parameters() on them, or build the model without the meta device."
+        )
+
+
+def _initialize(modules: Iterable[nn.Module], hf_init: dict[int, Callable[[nn.Module], None]],
+                missing: set[str]) -> None:
+    for m in modules:
         own = [*m.parameters(recurse=False), *m.buffers(recurse=False)]
         if not own:
             continue
@@ -329,9 +348,54 @@ def materialize(root: nn.Module, device: torch.device) -> None:
             m.reset_parameters()
         else:
             missing.add(type(m).__name__)
-    if missing:
-        raise TypeError(
-            "configure_model created tensors on the meta device, but these modules have no "
-            f"reset_parameters() to initialize them after sharding: {sorted(missing)}. Fix: "
-            "implement reset_parameters() on them, or build the model without the meta device."
-        )
+
+
+def _own_modules(group_root: nn.Module) -> list[nn.Module]:
+    """``group_root`` and the submodules whose tensors belong to its FSDP group: all those
+    reached without entering another ``fully_shard`` module."""
+    out, todo = [], [group_root]
+    while todo:
+        m = todo.pop()
+        out.append(m)
+        todo.extend(c for c in m.children() if not isinstance(c, FSDPModule))
+    return out
+
+
+def _materialize_streaming(root: nn.Module, device: torch.device, store: Any,
+                           hf_init: dict[int, Callable[[nn.Module], None]], missing: set[str]) -> None:
+    """[Note: streaming initialization]
+    ``root.to_empty`` would allocate this rank's whole shard of the model at once (4 P/N
+    bytes in fp32) before anything could move to NVMe: the 3.4B-parameter model of issue 22
+    was killed there. Instead the modules are initialized in the same order as on the
+    whole-model path (``root.modules()``), and each ``fully_shard`` group is allocated when
+    its first module comes (``to_empty(recurse=False)`` of the group's own submodules: its
+    shards and buffers; then ``reset_sharded_param``, what FSDP2's own ``_apply`` does) and
+    handed to the store when its last module is done: ``ParamStore.fill`` copies the shards
+    into the swap file, writes them out and drops their pages. In memory at a time: the
+    root group (its modules come first and last: embeddings, head) and one block. Same
+    order, same shapes, so the same random draws as without NVMe offload, bit for bit."""
+    owner: dict[int, nn.Module] = {}
+    left: dict[int, int] = {}
+    for group_root in fsdp_modules(root):
+        own = _own_modules(group_root)
+        left[id(group_root)] = len(own)
+        owner.update((id(m), group_root) for m in own)
+    ready: set[int] = set()
+    for m in root.modules():
+        group_root = owner.get(id(m))
+        if group_root is None:  # outside every fully_shard module: nothing of it is offloaded
+            m.to_empty(device=device, recurse=False)
+            _initialize([m], hf_init, missing)
+            continue
+        if id(group_root) not in ready:
+            ready.add(id(group_root))
+            for sub in _own_modules(group_root):
+                sub.to_empty(device=device, recurse=False)
+            for g in param_groups(group_root):
+                for fp in group_params(g):
+                    reset_sharded_param(fp)
+        _initialize([m], hf_init, missing)
+        left[id(group_root)] -= 1
+        if not left[id(group_root)]:
+            for g in param_groups(group_root):
+                store.fill(g)

@@ -42,15 +42,17 @@ Why this is safe:
   read-ahead of the next forward counts a *use*, and a region used since is left in the
   page cache (clean now), so the read-ahead is not thrown away (the all-gather's own
   eviction drops it later).
-- At most one store's worth of bytes (``disk_bytes()``, one step of writes) is queued:
-  ``release`` waits while more is, so a disk slower than the steps throttles the steps
+- At most ``WRITE_BEHIND_LIMIT_BYTES`` (or the store's size, if smaller) are queued:
+  ``release`` and the gradient hook wait while more is, so a disk slower than the steps throttles the steps
   instead of filling memory with dirty pages. Time spent waiting is ``io_stats()``'s
   ``write_wait_s``.
 - ``flush()`` is the barrier: it returns once every queued region is written (and raises
   the writer's error, if any). ``close()`` flushes before it closes the files. A
   checkpoint does not need it (it reads through the mapping).
-- An I/O error in the thread is kept, and raised on the training thread at the next
-  ``release``, all-gather, ``flush`` or ``close``, naming the file and the fix; once
+- An I/O error in the thread is kept, and raised on the training thread at the first
+  all-gather after the next optimizer step (the start of the next forward: one place per
+  step, the same on every rank that has the error, never in the middle of a backward),
+  or at ``flush`` or ``close``, naming the file and the fix; once
   raised it is raised again by every later step (a failed write-back may leave the file
   behind the mapping, so continuing would train on values the drive does not hold).
 """
@@ -72,6 +74,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from zeropp_strategy.config import OffloadConfig
 from zeropp_strategy.fsdp_private import (
@@ -92,6 +95,12 @@ _THREAD_USAGE = getattr(resource, "RUSAGE_THREAD", None)  # Linux: faults of thi
 
 def _major_faults() -> int:
     return resource.getrusage(_THREAD_USAGE).ru_majflt if _THREAD_USAGE is not None else 0
+
+
+WRITE_BEHIND_LIMIT_BYTES = 512 * 2**20
+"""At most this many bytes (or the store's size, if smaller) queued for write-behind: the
+queued regions are dirty pages mapped into the process, counted in its resident size, so
+the queue is part of the memory plan ([Note: the memory plan] in engine/memory_plan.py)."""
 
 
 class _Region:
@@ -207,7 +216,8 @@ class _WriteBehind:
             except OSError as e:
                 raise OSError(
                     e.errno,
-                    f"writing parameter shards back to the swap file {region.path} (bytes {region.start} to "
+                    f"writing {'gradient' if region.path.name.startswith('grads.') else 'parameter'} shards back "
+                    f"to the swap file {region.path} (bytes {region.start} to "
                     f"{region.start + region.length}) failed: {e.strerror or e}. Fix: check the drive under "
                     "offload_param.nvme_path (the kernel log names I/O errors), point nvme_path at a healthy local "
                     "drive, or set offload_param='cpu'",
@@ -229,12 +239,15 @@ class ParamStore:
         self.prefetch = prefetch
         self._dir = SwapDir(config.nvme_path, rank, field="offload_param")
         self._regions: dict[int, _Region] = {}  # id(sharded param) -> its region
+        self._slots: dict[int, tuple[Any, Any, int]] = {}  # id(FSDPParam) -> (params map, grads map, offset)
+        self._grads: dict[int, tuple[_Region, Tensor]] = {}  # id(sharded param) -> its gradient's region, view
         self._group_regions: dict[int, list[_Region]] = {}
         self._next: dict[int, int] = {}  # group -> the group unsharded after it last time
         self._next2: dict[tuple[int, int], int] = {}  # (previous, group) -> the one after them
         self._last: int | None = None
         self._prev: int | None = None
         self._closed = False
+        self._step_boundary = True  # the next all-gather starts a step ([Note: write-behind])
         self._error_raised = False
         self._groups: dict[int, Any] = {}
         self._maps: list[mmap.mmap] = []
@@ -251,7 +264,7 @@ class ParamStore:
                 f.close()
             self._dir.close()
             raise
-        self._writer = _WriteBehind(limit_bytes=self.disk_bytes())
+        self._writer = _WriteBehind(limit_bytes=min(self.disk_bytes(), WRITE_BEHIND_LIMIT_BYTES))
         weakref.finalize(self, self._writer.stop)  # before the directory's finalizer at exit
 
     # -- layout -----------------------------------------------------------------------------
@@ -262,43 +275,91 @@ class ParamStore:
         for g in groups:
             for fp in group_params(g):
                 data = sharded_data(fp)
-                if data.device.type != "cpu":
+                if data.device.type not in ("cpu", "meta"):
                     raise RuntimeError("offload_param='nvme' needs FSDP2's CPU offload policy underneath")
                 by_dtype.setdefault(data.dtype, []).append(fp)
-        total = sum(align_up(sharded_data(fp).nbytes) for fps in by_dtype.values() for fp in fps)
-        self._dir.ensure_space(total)
+        sizes = {id(fp): align_up(sharded_data(fp).nbytes) for fps in by_dtype.values() for fp in fps}
+        self._dir.ensure_space(2 * sum(sizes.values()))  # the shards and their gradients
         for dtype, fps in by_dtype.items():
-            esize = torch.empty((), dtype=dtype).element_size()
             offsets, cursor = [], 0
             for fp in fps:
                 offsets.append(cursor)
-                cursor += align_up(sharded_data(fp).numel() * esize)
+                cursor += sizes[id(fp)]
             name = str(dtype).replace("torch.", "")
-            file = SwapFile(self._dir.path / f"params.{name}.swap", cursor, _NoPool(), direct=False,
-                            io_block_bytes=ALIGN)
-            self._files.append(file)
-            mm = mmap.mmap(file.fd, file.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            self._maps.append(mm)
-            flat = torch.frombuffer(mm, dtype=torch.uint8)
+            params = self._map(f"params.{name}.swap", cursor)
+            grads = self._map(f"grads.{name}.swap", cursor)
             for fp, off in zip(fps, offsets):
-                self._rehome_one(fp, flat, off, esize, mm, file)
-            write_back(file.fd, flat.data_ptr(), 0, file.nbytes)  # once, synchronously, at setup
+                self._slots[id(fp)] = (params, grads, off)
         for g in groups:
             self._groups[id(g)] = g
-            self._group_regions[id(g)] = [self._regions[id(sharded_param(fp))] for fp in group_params(g)]
+            self._group_regions[id(g)] = []
             self._wrap(g)
-        for region in self._regions.values():
-            region.evict(drop_cache=True)
-        log.info("zeropp: %d parameter shards rest in %s (%d bytes)", len(self._regions), self._dir.path, total)
+        # Shards that hold values already (a model built on a device) move into the files now;
+        # shards still on the meta device are placed by ``fill`` as the engine initializes
+        # them, one group at a time ([Note: streaming initialization]).
+        for g in groups:
+            if not any(sharded_data(fp).is_meta for fp in group_params(g)):
+                self.fill(g)
+        log.info("zeropp: parameter shards and their gradients rest in %s (%d bytes)", self._dir.path,
+                 sum(f.nbytes for f in self._files))
+
+    def _map(self, filename: str, nbytes: int) -> tuple[mmap.mmap, SwapFile, Tensor]:
+        file = SwapFile(self._dir.path / filename, nbytes, _NoPool(), direct=False, io_block_bytes=ALIGN)
+        self._files.append(file)
+        mm = mmap.mmap(file.fd, file.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self._maps.append(mm)
+        return mm, file, torch.frombuffer(mm, dtype=torch.uint8)
+
+    def groups(self) -> list[Any]:
+        """The FSDP parameter groups whose shards live here, in module order."""
+        return list(self._groups.values())
 
     @torch.no_grad()
-    def _rehome_one(self, fp: Any, flat: Tensor, off: int, esize: int, mm: mmap.mmap, file: SwapFile) -> None:
-        data = sharded_data(fp)
-        n = data.numel()
-        region = flat[off : off + n * esize].view(data.dtype)
-        region.copy_(data)
-        set_sharded_data(fp, region)  # FSDP2's flat copy and the DTensor's local tensor now view the file
-        self._regions[id(sharded_param(fp))] = _Region(mm, file.fd, file.path, flat.data_ptr(), off, n * esize)
+    def fill(self, group: Any) -> None:
+        """Move ``group``'s shards (real tensors now, initialized) into their regions of the
+        swap file, write them out and drop their pages: afterwards the group holds no host
+        memory. Each trainable parameter's gradient gets its region of the gradient file."""
+        regions = self._group_regions[id(group)]
+        for fp in group_params(group):
+            (mm, file, flat), (gmm, gfile, gflat), off = self._slots[id(fp)]
+            data = sharded_data(fp)
+            if data.is_meta:
+                raise RuntimeError("ParamStore.fill: a shard is still on the meta device; materialize its group first")
+            nbytes = data.numel() * data.element_size()
+            region = flat[off : off + nbytes].view(data.dtype)
+            region.copy_(data)
+            set_sharded_data(fp, region)  # FSDP2's flat copy and the DTensor's local tensor now view the file
+            param = sharded_param(fp)
+            self._regions[id(param)] = r = _Region(mm, file.fd, file.path, flat.data_ptr(), off, nbytes)
+            regions.append(r)
+            if param.requires_grad:
+                local = param.to_local()
+                view = gflat[off : off + local.numel() * data.element_size()].view(data.dtype).view(local.shape)
+                self._grads[id(param)] = (_Region(gmm, gfile.fd, gfile.path, gflat.data_ptr(), off, nbytes), view)
+                param.register_post_accumulate_grad_hook(self._grad_to_file)
+        for r in regions:
+            write_back(r.fd, r.addr, r.start, r.length)
+            r.evict(drop_cache=True)
+
+    @torch.no_grad()
+    def _grad_to_file(self, param: Tensor) -> None:
+        """FSDP2 calls this right after it stores ``param``'s reduced gradient shard: move the
+        shard into its region of the gradient file (unless FSDP2 accumulated into it in
+        place) and queue that region for write-behind ([Note: gradients on NVMe])."""
+        grad = param.grad
+        entry = self._grads.get(id(param))
+        if grad is None or entry is None or self._closed:
+            return
+        region, view = entry
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        if local.data_ptr() != view.data_ptr():
+            view.copy_(local)
+            param.grad = (DTensor.from_local(view, grad.device_mesh, grad.placements, run_check=False,
+                                             shape=grad.shape, stride=grad.stride())
+                          if isinstance(grad, DTensor) else view)
+        # A write error is raised at the next all-gather or step ([Note: write-behind]), not
+        # here, in the middle of FSDP2's reduce.
+        self._writer.submit([region])
 
     def _wrap(self, group: Any) -> None:
         gid = id(group)
@@ -327,7 +388,9 @@ class ParamStore:
     def _before_unshard(self, gid: int) -> None:
         if self._closed:
             return
-        self._raise_write_error()
+        if self._step_boundary:  # the first gather after a step: where write errors surface
+            self._step_boundary = False
+            self._raise_write_error()
         if self._last is not None and self._last != gid:
             self._next[self._last] = gid
             if self._prev is not None:
@@ -361,18 +424,23 @@ class ParamStore:
         if self._closed:
             return
         for p in params:
-            region = self._regions.get(id(p))
-            if region is not None:
-                region.prefetch()
+            for region in (self._regions.get(id(p)), self._grads.get(id(p), (None,))[0]):
+                if region is not None:
+                    region.prefetch()
 
     def release(self, params: Iterable[Tensor]) -> None:
         """After the optimizer stepped ``params``: queue them for write-behind (returns at
         once, see [Note: write-behind]); their pages are dropped once written."""
         if self._closed:
             return
-        self._raise_write_error()
+        self._step_boundary = True
+        params = list(params)
         regions = [r for r in (self._regions.get(id(p)) for p in params) if r is not None]
         self._writer.submit(regions)
+        for p in params:  # the step read the gradients and will not again: their pages go
+            entry = self._grads.get(id(p))
+            if entry is not None:
+                entry[0].evict(drop_cache=True)
 
     def flush(self) -> None:
         """Wait until every parameter released so far is written to its swap file; raises

@@ -1,0 +1,308 @@
+"""ZeRO-Infinity on one machine: the largest Llama that trains with its model states on NVMe.
+
+    sudo python benchmarks/infinity.py --nvme /var/tmp/zeropp-nvme              # default sizes
+    python benchmarks/infinity.py --nvme DIR --sizes 0.1B --steps 2          # a quick look
+    python benchmarks/infinity.py --plot-only                                # redraw the plot
+
+Each size is one 2-rank CPU job (Lightning, ``ZeroPPStrategy(stage=3)`` with
+``offload_param`` and ``offload_optimizer`` on NVMe under ``--nvme``, the memory plan's
+``host_memory_budget_bytes=--budget``), a ``LlamaForCausalLM`` built on the meta device in
+``configure_model`` (fp32 weights, ``precision="32-true"``: this CPU has no bf16 matrix
+units, a bf16 matmul is about 40x slower than fp32 here, see ``matmul_ms`` in the JSON), AdamW,
+micro-batch 1 x 64 tokens, the same batch every step (so the loss must fall), ``--steps``
+steps. Sizes go up until the plan refuses one at start; every refused size is recorded with
+the plan's message.
+
+Per rank and step: wall time, the loss; per rank over the run: peak RSS sampled every 20 ms
+(``VmRSS``, and its anonymous and file-mapped parts, ``RssAnon``/``RssFile``) and the
+kernel's high-water mark ``VmHWM``, against the budget. Per step, the bytes the drive of
+``--nvme`` read and wrote (``/proc/diskstats``, both ranks and everything else on that
+drive) against the plan's prediction (``MemoryPlan.disk_traffic_per_step`` x 2 ranks), and
+the drive's sequential bandwidth from ``fio`` (``benchmarks/offload.py``'s measurement).
+
+Writes ``benchmarks/results/infinity.json`` and ``docs/img/infinity.png``; prints the table for
+docs/offload.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SIZES = {  # name -> (hidden, layers, MLP width); vocabulary 32000, heads of 128
+    "0.1B": (768, 4, 2048),
+    "1.3B": (2048, 22, 5632),
+    "2.1B": (2560, 24, 6912),
+    "4.3B": (3072, 36, 8192),
+    "6.7B": (4096, 32, 11008),
+}
+VOCAB, SEQ = 32000, 64
+RESULTS = ROOT / "benchmarks" / "results" / "infinity.json"
+PLOT = ROOT / "docs" / "img" / "infinity.png"
+
+
+def llama_params(hidden: int, layers: int, mlp: int) -> int:
+    return layers * (4 * hidden * hidden + 3 * hidden * mlp + 2 * hidden) + 2 * VOCAB * hidden + hidden
+
+
+# -- one job ------------------------------------------------------------------------------
+
+
+def _status() -> dict[str, int]:
+    out = {}
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("VmRSS", "RssAnon", "RssFile", "VmHWM"):
+                out[key] = int(rest.split()[0]) * 1024
+    return out
+
+
+class _Peak(threading.Thread):
+    """Samples this process's RSS every 20 ms; keeps the peaks."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.peak = {"VmRSS": 0, "RssAnon": 0, "RssFile": 0}
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.wait(0.02):
+            s = _status()
+            for k in self.peak:
+                self.peak[k] = max(self.peak[k], s.get(k, 0))
+
+
+def _disk_sectors(path: str) -> tuple[int, int]:
+    """Sectors read and written so far by the drive holding ``path`` (/proc/diskstats)."""
+    dev = os.stat(path).st_dev
+    major, minor = os.major(dev), os.minor(dev)
+    with open("/proc/diskstats", encoding="ascii") as f:
+        rows = [line.split() for line in f]
+    for r in rows:
+        if int(r[0]) == major and int(r[1]) == minor:
+            return int(r[5]), int(r[9])
+    # a partition's numbers may be missing on virtual disks: the whole disk then
+    for r in rows:
+        if int(r[0]) == major:
+            return int(r[5]), int(r[9])
+    return 0, 0
+
+
+def run_cell(args: argparse.Namespace) -> None:
+    import torch
+    from lightning.pytorch import Callback, LightningModule, Trainer
+    from torch.utils.data import DataLoader, TensorDataset
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from zeropp_strategy import ZeroPPStrategy
+
+    torch.set_num_threads(1)  # two ranks on two cores
+    peak = _Peak()
+    peak.start()
+    hidden, layers, mlp = SIZES[args.cell]
+
+    class Llama(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = None
+
+        def configure_model(self) -> None:
+            if self.model is None:
+                cfg = LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, intermediate_size=mlp,
+                                  num_attention_heads=hidden // 128, num_key_value_heads=hidden // 128,
+                                  vocab_size=VOCAB, max_position_embeddings=SEQ, tie_word_embeddings=False)
+                with torch.device("meta"):
+                    self.model = LlamaForCausalLM(cfg)
+
+        def training_step(self, batch, batch_idx):
+            (ids,) = batch
+            return self.model(input_ids=ids, labels=ids).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=args.lr)
+
+        def train_dataloader(self):
+            ids = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(0))
+            return DataLoader(TensorDataset(ids.repeat(args.steps, 1)), batch_size=1)
+
+    class Record(Callback):
+        def __init__(self) -> None:
+            self.steps: list[dict] = []
+            self.t0 = 0.0
+            self.disk0 = (0, 0)
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # noqa: ANN001
+            self.t0, self.disk0 = time.perf_counter(), _disk_sectors(args.nvme)
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # noqa: ANN001
+            r, w = _disk_sectors(args.nvme)
+            self.steps.append({"step_s": time.perf_counter() - self.t0, "loss": float(outputs["loss"]),
+                               "disk_read_bytes": (r - self.disk0[0]) * 512,
+                               "disk_write_bytes": (w - self.disk0[1]) * 512})
+
+    nvme = {"device": "nvme", "nvme_path": args.nvme}
+    budget = args.budget if args.budget == "auto" else int(float(args.budget) * 2**30)
+    strategy = ZeroPPStrategy(stage=3, offload_param=nvme, offload_optimizer=nvme, host_memory_budget_bytes=budget,
+                              wrap_modules=["LlamaDecoderLayer"], peer_timeout=600)
+    record = Record()
+    trainer = Trainer(accelerator="cpu", devices=2, precision="32-true", strategy=strategy, max_steps=args.steps,
+                      callbacks=[record], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False)
+    t_setup = time.perf_counter()
+    out: dict = {"rank": trainer.global_rank}
+    try:
+        trainer.fit(Llama())
+    except ValueError as e:
+        if "cannot fit" not in str(e):
+            raise
+        out["refused"] = str(e)
+    peak.stop.set()
+    out["fit_s"] = time.perf_counter() - t_setup
+    out["steps"] = record.steps
+    out["peak"] = peak.peak
+    out["VmHWM"] = _status()["VmHWM"]
+    engine = getattr(getattr(strategy, "_session", None), "engine", None)
+    plan = getattr(engine, "memory_plan", None)
+    if plan is not None:
+        read, write = plan.disk_traffic_per_step()
+        out["plan"] = {"text": plan.describe(), "host_bytes": plan.host_bytes, "budget_bytes": plan.budget_bytes,
+                       "disk_bytes": plan.disk_bytes(), "read_per_step": read, "write_per_step": write}
+    Path(f"{args.out}.rank{out['rank']}").write_text(json.dumps(out, indent=1))
+
+
+# -- the driver ---------------------------------------------------------------------------
+
+
+def run_size(name: str, args: argparse.Namespace) -> dict:
+    out = Path(args.nvme) / f"cell-{name}.json"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--cell", name, "--nvme", args.nvme, "--steps",
+           str(args.steps), "--budget", str(args.budget), "--lr", str(args.lr), "--out", str(out)]
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.cell_timeout_s, cwd=ROOT)
+    ranks = []
+    for k in (0, 1):
+        f = Path(f"{out}.rank{k}")
+        if f.exists():
+            ranks.append(json.loads(f.read_text()))
+            f.unlink()
+    hidden, layers, mlp = SIZES[name]
+    cell = {"size": name, "hidden": hidden, "layers": layers, "mlp": mlp, "params": llama_params(hidden, layers, mlp),
+            "wall_s": time.perf_counter() - t0, "returncode": r.returncode, "ranks": ranks}
+    if r.returncode != 0 or len(ranks) != 2:
+        cell["error"] = r.stderr[-4000:]
+    return cell
+
+
+def summarize(res: dict) -> str:
+    gb = 1e9
+    ram = res["meta"]["hardware"].get("ram_bytes") or 0
+    lines = ["| model | parameters | fp32 model states (16 B/param) | x memory | result | step s (median) | "
+             "loss first -> last | peak RSS rank 0 / 1 (GiB) | anon / file (GiB, max) | budget (GiB) | "
+             "disk read+write per step: measured / plan (GB) |", "|---|---:|---:|---:|---|---:|---|---|---|---:|---|"]
+    for c in res["cells"]:
+        states = 16 * c["params"]
+        head = f"| {c['size']} ({c['hidden']} x {c['layers']}, MLP {c['mlp']}) | {c['params'] / 1e9:.2f}B | " \
+               f"{states / gb:.1f} GB | {states / ram:.2f}x |" if ram else ""
+        ranks = c.get("ranks") or []
+        refused = next((r["refused"] for r in ranks if "refused" in r), None)
+        if refused:
+            first = refused.splitlines()[1].strip() if len(refused.splitlines()) > 1 else refused
+            lines.append(f"{head} refused at start: {first[:160]} | | | | | | |")
+            continue
+        if "error" in c or not ranks or not ranks[0]["steps"]:
+            lines.append(f"{head} failed (return code {c['returncode']}) | | | | | | |")
+            continue
+        steps = ranks[0]["steps"]
+        times = sorted(s["step_s"] for s in steps)
+        plan = ranks[0].get("plan") or {}
+        disk = [s["disk_read_bytes"] + s["disk_write_bytes"] for s in steps[1:]] or [0]
+        predicted = 2 * (plan.get("read_per_step", 0) + plan.get("write_per_step", 0))
+        lines.append(
+            f"{head} trained {len(steps)} steps | {times[len(times) // 2]:.1f} | {steps[0]['loss']:.3f} -> "
+            f"{steps[-1]['loss']:.3f} | {ranks[0]['peak']['VmRSS'] / 2**30:.2f} / {ranks[1]['peak']['VmRSS'] / 2**30:.2f}"
+            f" | {max(r['peak']['RssAnon'] for r in ranks) / 2**30:.2f} / {max(r['peak']['RssFile'] for r in ranks) / 2**30:.2f}"
+            f" | {plan.get('budget_bytes', 0) / 2**30:.2f} | {sorted(disk)[len(disk) // 2] / gb:.1f} / {predicted / gb:.1f} |")
+    fio = res["meta"].get("fio") or {}
+    bw = [f"{k}: {v['Bps'] / gb:.2f} GB/s" for k, v in fio.items() if "Bps" in v]
+    lines += ["", f"Drive (fio, sequential, 8 MiB requests): {', '.join(bw) or 'not measured'}."]
+    return "\n".join(lines)
+
+
+def plot(res: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = [c for c in res["cells"] if c.get("ranks") and all(r.get("steps") for r in c["ranks"])]
+    if not cells:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    xs = range(len(cells))
+    for k, (key, label) in enumerate((("VmRSS", "peak RSS"), ("RssAnon", "peak anonymous"), ("RssFile", "peak file-mapped"))):
+        ax.bar([x + (k - 1) * 0.25 for x in xs], [max(r["peak"][key] for r in c["ranks"]) / 2**30 for c in cells],
+               width=0.25, label=label)
+    budget = max(c["ranks"][0].get("plan", {}).get("budget_bytes", 0) for c in cells) / 2**30
+    ax.axhline(budget, color="k", linestyle="--", label=f"budget per rank ({budget:.1f} GiB)")
+    ax.set_xticks(list(xs), [f"{c['params'] / 1e9:.1f}B\n({16 * c['params'] / 1e9:.0f} GB states)" for c in cells])
+    ax.set_ylabel("GiB per rank (max of 2 ranks)")
+    ax.set_title("Host memory per rank, model states on NVMe (2 ranks, 2 cores)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    PLOT.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(PLOT, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--nvme", default=None, help="directory on the drive for the swap files")
+    ap.add_argument("--sizes", default="1.3B,4.3B,6.7B", help=f"comma-separated, of {', '.join(SIZES)}")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--budget", default="auto", help="'auto' or GiB per rank")
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--cell-timeout-s", type=int, default=3600)
+    ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--cell", default=None, help=argparse.SUPPRESS)  # one job (internal)
+    ap.add_argument("--plot-only", action="store_true")
+    args = ap.parse_args()
+    if args.cell:
+        run_cell(args)
+        return
+    if args.plot_only:
+        res = json.loads(Path(args.out).read_text())
+        plot(res)
+        print(summarize(res))
+        return
+    if args.nvme is None:
+        ap.error("--nvme DIR is required (a directory on the drive to measure)")
+    Path(args.nvme).mkdir(parents=True, exist_ok=True)
+    from benchmarks.offload import fio_bandwidth, hardware
+    from benchmarks.volume import _matmul_ms
+
+    res = {"meta": {"command": " ".join(["python", "benchmarks/infinity.py", *sys.argv[1:]]),
+                    "date": time.strftime("%Y-%m-%d"), "hardware": hardware(None), "matmul_ms": _matmul_ms(),
+                    "fio": fio_bandwidth(Path(args.nvme), 2048, drop=os.geteuid() == 0)},
+           "cells": []}
+    for name in args.sizes.split(","):
+        print(f"{name}: running", flush=True)
+        cell = run_size(name, args)
+        res["cells"].append(cell)
+        Path(args.out).write_text(json.dumps(res, indent=1))
+        print(summarize(res), flush=True)
+        if any("refused" in r for r in cell.get("ranks") or []) or "error" in cell:
+            break  # the next size is larger still
+    plot(res)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""The memory plan of an offloaded run ([Note: the memory plan]), streaming initialization
+([Note: streaming initialization]) and gradient shards on NVMe ([Note: gradients on NVMe]).
+
+References: the plan's rows against sizes computed by hand from the model; a run that
+cannot fit is refused on every rank with the numbers, before any swap file exists; a
+meta-initialized model streamed to NVMe holds the same weights, bit for bit, as the same
+model materialized whole without offload, and trains to the same weights as plain stage 3
+within the offload tests' tolerance; after backward every trainable gradient shard is a
+view of the gradient swap file.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests._dist import run_ranks
+from zeropp_strategy.config import ZeroConfig
+from zeropp_strategy.engine import memory_plan
+from zeropp_strategy.engine.memory_plan import RUNTIME_BYTES, plan_memory
+
+GiB = 2**30
+TOL = 1e-5  # AdamW on the host vs on the device: a few ulps (tests/test_offload.py's bound)
+
+
+def _net():
+    from tests._models import Net
+
+    with torch.device("meta"):
+        return Net(width=64, depth=3)
+
+
+def _shard_bytes(params, world: int) -> int:
+    return sum((math.ceil(p.shape[0] / world) * (p.numel() // p.shape[0]) if p.dim() else 1) * 4 for p in params)
+
+
+def test_plan_rows_match_the_model(tmp_path):
+    from zeropp_strategy.engine.wrap import select_blocks
+
+    net = _net()
+    blocks = list(net.blocks)
+    assert select_blocks(net, wrap_modules=("Block",), wrap_min_params=1) == blocks
+    params = list(net.parameters())
+    shard = _shard_bytes(params, 2)
+    block_full = sum(p.numel() for p in blocks[0].parameters())
+    root_full = sum(p.numel() for p in params) - 3 * block_full
+    nvme = {"device": "nvme", "nvme_path": str(tmp_path)}
+    cfg = ZeroConfig(stage=3, offload_param=nvme, offload_optimizer=nvme, host_memory_budget_bytes=2 * GiB)
+    plan = plan_memory(net, blocks, cfg, world_size=2, ranks_per_node=2, device=torch.device("cpu"), gather_bytes=4)
+    host = dict(plan.host)
+    assert host["runtime (Python, torch, the process group)"] == RUNTIME_BYTES
+    assert host["gathered parameters: the root group + 3 blocks"] == (root_full + 3 * block_full) * 4
+    assert host["optimizer state on NVMe: staging buffers"] == 4 * 64 * 2**20
+    assert not any("(in memory)" in what for what in host)  # nothing grows with the model
+    disk = {what: n for what, _, n in plan.disk}
+    assert disk == {"parameter shards": shard, "gradient shards": shard, "optimizer state, AdamW": 2 * shard}
+    assert plan.disk_bytes() == 4 * shard and plan.problems() == []
+    assert f"{plan.host_bytes / GiB:.2f} GiB  total" in plan.describe()
+
+    # All in host memory: the shards, their gradients and AdamW's state grow with the model.
+    cpu = plan_memory(net, blocks, ZeroConfig(stage=3, offload_param="cpu", offload_optimizer="cpu",
+                                              host_memory_budget_bytes=GiB),
+                      world_size=2, ranks_per_node=2, device=torch.device("cpu"), gather_bytes=4)
+    rows = dict(cpu.host)
+    assert rows["parameter shards (in memory)"] == shard and rows["gradient shards (in memory)"] == shard
+    assert rows["optimizer state, AdamW (in memory)"] == 2 * shard and cpu.disk == ()
+
+
+def test_plan_refuses_with_numbers_and_fix(tmp_path, monkeypatch):
+    net = _net()
+    nvme = {"device": "nvme", "nvme_path": str(tmp_path)}
+    tight = ZeroConfig(stage=3, offload_param="cpu", offload_optimizer=nvme, host_memory_budget_bytes=2**20)
+    plan = plan_memory(net, list(net.blocks), tight, world_size=2, ranks_per_node=2, device=torch.device("cpu"),
+                       gather_bytes=4)
+    (problem,) = plan.problems()
+    assert "host memory" in problem and "over its budget of 0.00 GiB" in problem and "Fix:" in problem
+    assert "host_memory_budget_bytes" in problem
+
+    class Usage:
+        free = 1000
+
+    monkeypatch.setattr(memory_plan.shutil, "disk_usage", lambda path: Usage)
+    roomy = ZeroConfig(stage=3, offload_param=nvme, offload_optimizer=nvme, host_memory_budget_bytes=8 * GiB)
+    plan = plan_memory(net, list(net.blocks), roomy, world_size=2, ranks_per_node=2, device=torch.device("cpu"),
+                       gather_bytes=4)
+    (problem,) = plan.problems()
+    assert f"under {tmp_path}" in problem and "2 rank(s)" in problem and "0.00 GiB free" in problem, problem
+    assert "Fix:" in problem
+
+
+def test_auto_budget_is_available_memory_over_local_ranks(monkeypatch):
+    monkeypatch.setattr(memory_plan, "_meminfo_bytes", lambda key: 20 * GiB)
+    monkeypatch.setattr(memory_plan, "_cgroup_free_bytes", lambda: None)
+    budget, source = memory_plan.auto_budget_bytes(4)
+    assert budget == int(20 * GiB * memory_plan.AUTO_FRACTION) // 4 and "MemAvailable" in source
+    monkeypatch.setattr(memory_plan, "_cgroup_free_bytes", lambda: 8 * GiB)
+    budget, source = memory_plan.auto_budget_bytes(2)
+    assert budget == int(8 * GiB * memory_plan.AUTO_FRACTION) // 2 and "cgroup" in source
+
+
+@pytest.mark.parametrize("value, exc", [(-1, ValueError), (100, ValueError), ("12GB", TypeError), (True, TypeError)])
+def test_budget_field_is_checked(value, exc):
+    with pytest.raises(exc, match=r"ZeroConfig\.host_memory_budget_bytes=.*Fix:"):
+        ZeroConfig(host_memory_budget_bytes=value)
+
+
+def _worker(rank: int, world: int, tmp: str) -> dict:
+    from lightning.pytorch import Callback, Trainer, seed_everything
+
+    from tests._models import MetaInitModule, trainer_kwargs
+    from zeropp_strategy import ZeroPPStrategy
+    from zeropp_strategy.engine.state import full_model_state
+
+    out: dict = {}
+    nvme = {"device": "nvme", "nvme_path": f"{tmp}/nvme"}
+    Path(nvme["nvme_path"]).mkdir(exist_ok=True)
+
+    # 1. Cannot fit: refused on every rank, before any swap file exists.
+    try:
+        Trainer(strategy=ZeroPPStrategy(stage=3, offload_param=nvme, offload_optimizer=nvme,
+                                        host_memory_budget_bytes=2**20), **trainer_kwargs(world, max_steps=1)
+                ).fit(MetaInitModule())
+        out["refused"] = None
+    except ValueError as e:
+        out["refused"] = str(e)
+    out["swap_after_refusal"] = sorted(p.name for p in Path(nvme["nvme_path"]).iterdir())
+
+    class Watch(Callback):
+        def __init__(self) -> None:
+            self.initial, self.grads_in_file, self.losses = None, [], []
+
+        def on_train_start(self, trainer, pl_module):  # noqa: ANN001
+            self.initial = full_model_state(pl_module)
+
+        def on_after_backward(self, trainer, pl_module):  # noqa: ANN001
+            stores = trainer.strategy._session.engine.param_stores
+            if stores:
+                files = stores[0]._grads
+                self.grads_in_file.append(all(
+                    p.grad is not None and p.grad.to_local().data_ptr() == files[id(p)][1].data_ptr()
+                    for p in pl_module.parameters() if p.requires_grad and p.dim()))
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, *args):  # noqa: ANN001, ANN002
+            self.losses.append(float(outputs["loss"]))
+
+    # 2. Fits: streamed initialization equals the whole-model one; training equals stage 3.
+    runs = {}
+    for name, fields in (("stage3", {}), ("nvme", {"offload_param": nvme, "offload_optimizer": nvme})):
+        seed_everything(0)
+        watch = Watch()
+        module = MetaInitModule()
+        Trainer(strategy=ZeroPPStrategy(stage=3, **fields), callbacks=[watch], **trainer_kwargs(world, max_steps=4)
+                ).fit(module)
+        runs[name] = (watch, full_model_state(module))
+    (ref, ref_final), (run, final) = runs["stage3"], runs["nvme"]
+    out["init_diff"] = max((ref.initial[k] - run.initial[k]).abs().max().item() for k in ref.initial)
+    out["final_diff"] = max((ref_final[k] - final[k]).abs().max().item() for k in final)
+    out["grads_in_file"] = run.grads_in_file
+    out["losses"] = run.losses
+    return out
+
+
+def test_refused_on_every_rank_and_streamed_init_equals_whole(tmp_path):
+    results = run_ranks(_worker, 2, (str(tmp_path),), timeout_s=600)
+    for rank, out in enumerate(results):
+        assert out["refused"] is not None, rank
+        assert "ZeroConfig.host_memory_budget_bytes" in out["refused"] and "GiB" in out["refused"], out["refused"]
+        assert "Fix:" in out["refused"] and "zeropp memory plan" in out["refused"], out["refused"]
+        assert out["swap_after_refusal"] == [], out  # refused before the swap files
+        assert out["init_diff"] == 0.0, out
+        assert out["final_diff"] <= TOL, out
+        assert out["grads_in_file"] == [True] * 4, out
+        assert all(math.isfinite(x) for x in out["losses"]), out
+    assert shutil.disk_usage(tmp_path).free > 0

@@ -1,0 +1,275 @@
+"""Layer: engine. The host-memory and disk plan of an offloaded run, checked before it starts.
+
+[Note: the memory plan]
+ZeRO-Infinity's promise is a model larger than the machine's memory. Whether a given model
+fits is decided by a few terms, all known once the model is built (on the meta device is
+enough) and the blocks are chosen, before any parameter is allocated:
+
+- what grows with the model and must not stay in memory: the rank's parameter shards
+  (``4 P/N`` bytes in fp32), their gradient shards (the same) and the optimizer state
+  (``k P/N``, Adam's two fp32 moments: ``k = 8``). In host memory with ``offload_*="cpu"``;
+  on NVMe with ``"nvme"``, where the host holds only what is in flight: the groups being
+  gathered, prefetched or written back, and ``buffer_count x buffer_bytes`` of optimizer
+  staging;
+- what a step needs at once whatever the offload: on a CPU device, the gathered
+  parameters (the root group, kept for the whole step, plus the computing block and
+  ``FORWARD_PREFETCH_BLOCKS`` prefetched ones) and, in backward, the unsharded gradients
+  of the root and of two blocks (the one computing and the one being reduced);
+- the runtime itself (``RUNTIME_BYTES``: Python, torch, Lightning, the process group;
+  measured at 540 MB of RSS after the imports on the reference machine, rounded up).
+
+Activations are not estimated (they depend on the batch, which the strategy does not see
+when it shards the model); the plan logs the headroom the budget leaves for them.
+
+``plan_memory`` computes the terms per rank; ``MemoryPlan.problems`` compares them with
+the budget (``ZeroConfig.host_memory_budget_bytes``, or ``auto``: this machine's available
+memory shared by the ranks on it) and the NVMe terms, times the ranks of a node, with the
+free space of the drive. The engine checks the plan through ``agree``, so that a run which
+cannot fit is refused on every rank, with the numbers and the fix, before any parameter
+is allocated ([Note: parameters on NVMe] in offload/params.py for what streams).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from zeropp_strategy.config import ZeroConfig
+
+__all__ = ["ADAM_STATE_BYTES", "AUTO_FRACTION", "HEAP_MMAP_THRESHOLD_BYTES", "RUNTIME_BYTES", "MemoryPlan",
+           "auto_budget_bytes", "bound_heap", "plan_memory"]
+
+RUNTIME_BYTES = 768 * 2**20
+"""Host memory of one rank before any model state: measured 540 MB RSS (360 MB anonymous)
+after importing torch 2.13, Lightning, transformers and this package and joining a gloo
+group; rounded up for the autograd threads, gloo's buffers and a data loader."""
+ADAM_STATE_BYTES = 8
+"""Optimizer state per trainable element assumed by the plan: AdamW's two fp32 moments.
+The optimizer is not known when the model is sharded; the offloaded optimizer lays out
+its real state when it is adopted."""
+AUTO_FRACTION = 0.9
+"""``host_memory_budget_bytes="auto"``: this share of the machine's available memory
+(``MemAvailable``, or the cgroup's limit less its usage when lower), split evenly between
+the ranks on the machine. The rest is for the page cache and the kernel."""
+GiB = 2**30
+
+
+def _meminfo_bytes(key: str) -> int | None:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _cgroup_free_bytes() -> int | None:
+    """Memory left under this process's cgroup v2 limit, or None without a limit."""
+    try:
+        with open("/sys/fs/cgroup/memory.max", encoding="ascii") as f:
+            limit = f.read().strip()
+        if limit == "max":
+            return None
+        with open("/sys/fs/cgroup/memory.current", encoding="ascii") as f:
+            return int(limit) - int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+HEAP_MMAP_THRESHOLD_BYTES = 1 << 20
+"""``bound_heap``: glibc serves allocations of this size or more with their own mapping,
+returned to the system when freed. glibc's default threshold grows up to 32 MiB as large
+blocks are freed, and the freed blocks under it stay in the heap: measured 0.87 x 4P/N of
+resident garbage per rank after a step of a 143M-parameter Llama on 2 ranks (issue 22)."""
+
+
+def bound_heap() -> bool:
+    """Fix glibc's mmap threshold at ``HEAP_MMAP_THRESHOLD_BYTES`` (process-wide; a no-op
+    where glibc is absent). Returns whether it was set."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(-3, HEAP_MMAP_THRESHOLD_BYTES))  # -3: M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        return False
+
+
+def auto_budget_bytes(ranks_per_node: int) -> tuple[int, str]:
+    """``AUTO_FRACTION`` of this machine's available memory over ``ranks_per_node``, and
+    a sentence saying where the number came from."""
+    available = _meminfo_bytes("MemAvailable")
+    source = "MemAvailable"
+    cgroup = _cgroup_free_bytes()
+    if cgroup is not None and (available is None or cgroup < available):
+        available, source = cgroup, "the cgroup's memory.max less memory.current"
+    if available is None:  # not Linux: the total physical memory
+        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        source = "physical memory"
+    budget = int(available * AUTO_FRACTION) // max(1, ranks_per_node)
+    return budget, (f"auto: {AUTO_FRACTION:.0%} of {source} ({available / GiB:.1f} GiB) / {ranks_per_node} "
+                    "rank(s) on this machine")
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Per-rank host memory (``host``) and per-node disk (``disk``) of one offloaded model.
+
+    ``host`` and ``disk`` are ``(what, bytes)`` rows; ``disk_free`` maps each swap
+    directory to its drive's free bytes; ``ranks_per_node`` ranks share those drives."""
+
+    budget_bytes: int
+    budget_source: str
+    host: tuple[tuple[str, int], ...]
+    disk: tuple[tuple[str, str, int], ...]  # (what, directory, bytes per rank)
+    disk_free: dict[str, int] = field(default_factory=dict)
+    ranks_per_node: int = 1
+    params: int = 0
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(n for _, n in self.host)
+
+    def disk_bytes(self, directory: str | None = None) -> int:
+        """Bytes per rank on the drives (one directory's, or all)."""
+        return sum(n for _, d, n in self.disk if directory is None or d == directory)
+
+    def disk_traffic_per_step(self) -> tuple[int, int]:
+        """Bytes one rank reads and writes on the drives per optimizer step, when nothing
+        stays in the page cache between uses (a model several times the memory):
+        parameter shards read by the forward gathers, again by the backward gathers and by
+        the step, and written by the step; gradient shards written in backward and read by
+        the step; the optimizer state read and written by the step."""
+        rows = {what: n for what, _, n in self.disk}
+        params, grads = rows.get("parameter shards", 0), rows.get("gradient shards", 0)
+        state = rows.get("optimizer state, AdamW", 0)
+        return 3 * params + grads + state, params + grads + state
+
+    def problems(self) -> list[str]:
+        """What does not fit, each with the numbers and a fix; empty when the plan fits."""
+        out = []
+        if self.host_bytes > self.budget_bytes:
+            out.append(
+                f"host memory: this rank needs {self.host_bytes / GiB:.2f} GiB for model states and staging, over "
+                f"its budget of {self.budget_bytes / GiB:.2f} GiB ({self.budget_source}). Fix: "
+                + self._host_fix())
+        for directory, free in self.disk_free.items():
+            need = self.disk_bytes(directory) * self.ranks_per_node
+            if need > free:
+                out.append(
+                    f"disk: not enough space for the swap files under {directory}: they need {need / GiB:.2f} GiB "
+                    f"({self.ranks_per_node} rank(s) x {self.disk_bytes(directory) / GiB:.2f} GiB), and the drive has "
+                    f"{free / GiB:.2f} GiB free. "
+                    "Fix: free space, point nvme_path at a larger drive, or use more nodes (each rank's share "
+                    "falls with the world size)")
+        return out
+
+    def _host_fix(self) -> str:
+        big = [w.split(" (")[0] for w, n in self.host if "(in memory)" in w and n > self.budget_bytes // 4]
+        if big:
+            return (f"move the {big[0]} to NVMe (offload_param / offload_optimizer device='nvme'), use more ranks or "
+                    "nodes, or raise host_memory_budget_bytes if the machine has the memory")
+        return ("use more ranks or nodes, choose smaller blocks (wrap_modules), lower the offload buffer_count or "
+                "buffer_bytes, or raise host_memory_budget_bytes if the machine has the memory")
+
+    def describe(self) -> str:
+        """The plan as the lines logged once at start."""
+        lines = [f"zeropp memory plan for {self.params / 1e9:.2f}B parameters, per rank "
+                 f"(budget {self.budget_bytes / GiB:.2f} GiB, {self.budget_source}):"]
+        lines += [f"  host  {n / GiB:8.2f} GiB  {what}" for what, n in self.host]
+        lines.append(f"  host  {self.host_bytes / GiB:8.2f} GiB  total; {(self.budget_bytes - self.host_bytes) / GiB:.2f} "
+                     "GiB of the budget left for activations")
+        lines += [f"  disk  {n / GiB:8.2f} GiB  {what} in {d}" for what, d, n in self.disk]
+        for directory, free in self.disk_free.items():
+            lines.append(f"  disk  {self.disk_bytes(directory) * self.ranks_per_node / GiB:8.2f} GiB  needed on the "
+                         f"drive of {directory} by {self.ranks_per_node} rank(s), {free / GiB:.2f} GiB free")
+        return "\n".join(lines)
+
+
+def _elems(params: Iterable[nn.Parameter]) -> int:
+    return sum(p.numel() for p in params)
+
+
+def _shard_elems(params: Iterable[nn.Parameter], world: int) -> int:
+    """Elements of this rank's padded shards (FSDP2 pads dim 0 to a multiple of ``world``)."""
+    total = 0
+    for p in params:
+        if p.dim() == 0:
+            total += 1  # replicated
+        else:
+            total += math.ceil(p.shape[0] / world) * (p.numel() // max(1, p.shape[0]))
+    return total
+
+
+def plan_memory(root: nn.Module, blocks: list[nn.Module], config: ZeroConfig, *, world_size: int,
+                ranks_per_node: int, device: torch.device, gather_bytes: int) -> MemoryPlan:
+    """The plan of ``root`` sharded at stage 3 into ``blocks`` + the root group (see
+    [Note: the memory plan]); ``gather_bytes`` per element of a gathered parameter."""
+    from zeropp_strategy.engine.fsdp import FORWARD_PREFETCH_BLOCKS
+
+    n = world_size
+    params = list(root.parameters())
+    block_params = [list(b.parameters()) for b in blocks]
+    in_blocks = {id(p) for ps in block_params for p in ps}
+    root_params = [p for p in params if id(p) not in in_blocks]
+    esize = max((p.element_size() for p in params), default=4)
+    shard = _shard_elems(params, n) * esize
+    trainable_shard = _shard_elems([p for p in params if p.requires_grad], n) * esize
+    block_full = max((_elems(ps) for ps in block_params), default=0)
+    block_shard = max((_shard_elems(ps, n) for ps in block_params), default=0) * esize
+    root_full = _elems(root_params)
+    in_flight = 1 + FORWARD_PREFETCH_BLOCKS  # groups whose shard pages are mapped at once
+    pdev, odev = config.offload_param.device, config.offload_optimizer.device
+
+    host: list[tuple[str, int]] = [("runtime (Python, torch, the process group)", RUNTIME_BYTES)]
+    if pdev == "nvme":
+        host.append(("parameter shards on NVMe: pages of the groups in flight", in_flight * block_shard))
+        host.append(("gradient shards on NVMe: the group being reduced", 2 * block_shard))
+        from zeropp_strategy.offload.params import WRITE_BEHIND_LIMIT_BYTES
+
+        host.append(("pages queued for write-behind", min(WRITE_BEHIND_LIMIT_BYTES, shard + trainable_shard)))
+    else:  # "cpu", or "none" on a CPU device: host memory either way
+        if pdev == "cpu" or device.type == "cpu":
+            host.append(("parameter shards (in memory)", shard))
+            host.append(("gradient shards (in memory)", trainable_shard))
+    opt_state = trainable_shard // esize * ADAM_STATE_BYTES
+    if odev == "nvme":
+        o = config.offload_optimizer
+        host.append(("optimizer state on NVMe: staging buffers", o.buffer_count * o.buffer_bytes))
+    elif odev == "cpu" or device.type == "cpu":
+        host.append(("optimizer state, AdamW (in memory)", opt_state))
+    if device.type == "cpu":  # the device is the host: what a step computes with lives here too
+        host.append((f"gathered parameters: the root group + {in_flight} blocks",
+                     (root_full + in_flight * block_full) * gather_bytes))
+        host.append(("unsharded gradients in backward: the root group + 2 blocks",
+                     (root_full + 2 * block_full) * (esize + gather_bytes)))
+
+    disk: list[tuple[str, str, int]] = []
+    free: dict[str, int] = {}
+    if pdev == "nvme":
+        path = config.offload_param.nvme_path
+        disk.append(("parameter shards", path, shard))
+        disk.append(("gradient shards", path, trainable_shard))
+    if odev == "nvme":
+        disk.append(("optimizer state, AdamW", config.offload_optimizer.nvme_path, opt_state))
+    for _, directory, _ in disk:
+        if directory not in free:
+            try:
+                free[directory] = shutil.disk_usage(directory).free
+            except OSError:
+                pass  # a missing directory is reported by the swap files' own check
+    budget = config.host_memory_budget_bytes
+    if budget == "auto":
+        budget_bytes, source = auto_budget_bytes(ranks_per_node)
+    else:
+        budget_bytes, source = int(budget), "ZeroConfig.host_memory_budget_bytes"
+    return MemoryPlan(budget_bytes=budget_bytes, budget_source=source, host=tuple(host), disk=tuple(disk),
+                      disk_free=free, ranks_per_node=ranks_per_node, params=_elems(params))
