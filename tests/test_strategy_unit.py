@@ -210,3 +210,29 @@ def test_hpz_fallback_message_names_the_real_reason():
                             device=torch.device("cpu"), info=messages.append)
         assert engine.reshard_after_forward() is True
         assert len(messages) == 1 and "hpZ is off" in messages[0] and want in messages[0], messages
+
+
+def _reduce_worker(rank: int, world: int) -> dict:
+    from zeropp_strategy.comm.control import set_default_ledger
+    from zeropp_strategy.comm.ledger import CommKind, CommLedger
+    from zeropp_strategy.fabric import ZeroPPFabricStrategy
+    from zeropp_strategy.topology import Topology
+
+    ledger = CommLedger(Topology.detect(world, rank))
+    set_default_ledger(ledger)
+    try:
+        logged = ZeroPPStrategy().reduce(torch.tensor([float(rank), 2.0]), reduce_op="sum")
+        summed = ZeroPPFabricStrategy().all_reduce(torch.tensor([1.0]), reduce_op="sum")
+    finally:
+        set_default_ledger(None)
+    control = ledger.totals(CommKind.CONTROL)
+    return {"logged": logged.tolist(), "summed": summed.tolist(), "calls": control.calls}
+
+
+def test_framework_reduces_are_booked_as_control():
+    """Lightning's strategy.reduce (self.log(sync_dist=True)) and Fabric's all_reduce are
+    collectives too: the ledger books them as CONTROL."""
+    from tests._dist import run_ranks
+
+    for out in run_ranks(_reduce_worker, 2, init_process_group=True, timeout_s=120):
+        assert out == {"logged": [1.0, 4.0], "summed": [2.0], "calls": 2}, out

@@ -42,6 +42,7 @@ from torch.optim import Optimizer
 
 from zeropp_strategy._process import ProcessMixin
 from zeropp_strategy.checkpoint.objects import split_state, stateful
+from zeropp_strategy.comm.control import book_control_all_reduce
 from zeropp_strategy.comm.ledger import Phase
 from zeropp_strategy.config import ZeroConfig
 from zeropp_strategy.engine.core import ZeroEngine
@@ -233,6 +234,7 @@ class ZeroPPFabricStrategy(ProcessMixin, ParallelStrategy):
 
     def all_reduce(self, tensor: Tensor, group: Any = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
         if isinstance(tensor, Tensor):
+            book_control_all_reduce(tensor, group=group)  # the framework's own reduce, booked as ours
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 

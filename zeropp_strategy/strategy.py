@@ -54,6 +54,7 @@ from torch.optim import Optimizer
 
 from zeropp_strategy._process import ProcessMixin
 from zeropp_strategy.checkpoint_hooks import CheckpointMixin
+from zeropp_strategy.comm.control import book_control_all_reduce
 from zeropp_strategy.comm.ledger import CommLedger, Phase
 from zeropp_strategy.config import ZeroConfig
 from zeropp_strategy.engine.core import ZeroEngine
@@ -338,6 +339,7 @@ class StrategyMixin(CheckpointMixin, EvaluationMixin, ProcessMixin):
 
     def reduce(self, tensor: Any, group: Any = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
         if isinstance(tensor, Tensor):
+            book_control_all_reduce(tensor, group=group)  # the framework's own reduce, booked as ours
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
@@ -352,8 +354,7 @@ class StrategyMixin(CheckpointMixin, EvaluationMixin, ProcessMixin):
         # fit needs them); they are removed when the optimizer is freed or at exit.
         if isinstance(self.model, DistributedDataParallel):
             self.model = self.lightning_module
-        module = self.lightning_module
-        if module is not None and any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+        if (module := self.lightning_module) is not None and any(t.is_meta for t in (*module.parameters(), *module.buffers())):
             # set-up stopped before materializing (a refused memory plan): moving meta tensors would hide it
             self._lightning_module = None
         assert self.cluster_environment is not None

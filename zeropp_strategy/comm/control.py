@@ -31,7 +31,8 @@ import torch.distributed as dist
 
 from zeropp_strategy.comm.ledger import CommKind, CommLedger
 
-__all__ = ["all_gather_object", "all_reduce_flag", "book_control_all_gather", "barrier", "broadcast_object", "distributed", "set_default_ledger"]
+__all__ = ["all_gather_object", "all_reduce_flag", "barrier", "book_control_all_gather", "book_control_all_reduce",
+           "broadcast_object", "distributed", "set_default_ledger"]
 
 T = TypeVar("T")
 _SIZE_BYTES = 8  # torch sends each pickle's size as one int64 first
@@ -70,6 +71,14 @@ def all_reduce_flag(tensor: torch.Tensor, *, op: Any = dist.ReduceOp.MAX, ledger
         ledger.record_all_reduce(CommKind.CONTROL, tensor.numel() * tensor.element_size(), _ranks(group))
     dist.all_reduce(tensor, op=op, group=group)
     return tensor
+
+
+def book_control_all_reduce(tensor: torch.Tensor, *, ledger: CommLedger | None = None, group: Any = None) -> None:
+    """Book an all-reduce of ``tensor`` that the caller sends itself (a front-end's
+    framework reduce: Lightning's ``self.log(..., sync_dist=True)``, Fabric's
+    ``all_reduce``) as CONTROL."""
+    if distributed() and (ledger := _book(ledger)) is not None:
+        ledger.record_all_reduce(CommKind.CONTROL, tensor.numel() * tensor.element_size(), _ranks(group))
 
 
 def book_control_all_gather(tensor: torch.Tensor, *, ledger: CommLedger | None = None, group: Any = None) -> None:
