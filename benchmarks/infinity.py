@@ -8,7 +8,7 @@ Each size is one 2-rank CPU job (Lightning, ``ZeroPPStrategy(stage=3)`` with
 ``offload_param`` and ``offload_optimizer`` on NVMe under ``--nvme``, the memory plan's
 ``host_memory_budget_bytes=--budget``), a ``LlamaForCausalLM`` built on the meta device in
 ``configure_model`` (fp32 weights, ``precision="32-true"``: this CPU has no bf16 matrix
-units, a bf16 matmul is about 40x slower than fp32 here, see ``matmul_ms`` in the JSON), AdamW,
+units, a bf16 matmul is about 60x slower than fp32 here, see ``matmul_ms`` in the JSON), AdamW,
 micro-batch 1 x 64 tokens, the same batch every step (so the loss must fall), ``--steps``
 steps. Sizes go up until the plan refuses one at start; every refused size is recorded with
 the plan's message.
