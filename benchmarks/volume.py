@@ -3,7 +3,7 @@
     sudo python benchmarks/volume.py                          # 3 runs per cell, about 35 min
     sudo python benchmarks/volume.py --repeat 1 --out /tmp/v.json --docs /tmp/v.md   # a quick look
     sudo python benchmarks/volume.py --package-root ../before  # the same cells on another checkout
-    sudo python benchmarks/volume.py --part stage1 --before-root /tmp/before   # stage 1 vs ddp, before/after
+    sudo python benchmarks/volume.py --part stage1 --precision 32-true    # stage 1 with and without overlap_param_gather
     sudo python benchmarks/volume.py --part sizes              # two model sizes at 1 Gbit/s
     python benchmarks/volume.py --render-only
 
@@ -442,9 +442,6 @@ def main() -> None:
     args.size, args.nproc_per_node, args.cell_timeout_s = "small", 2, 900
     if args.part == "suite":
         args.precision = "bf16-mixed"
-    if args.part == "stage1" and args.before_root is None and not args.render_only:
-        parser.error("--part stage1 needs --before-root FOLDER (a zeropp_strategy package to compare against). "
-                     "Fix: e.g. copy zeropp_strategy/ to /tmp/before/ and put the old engine/stage1.py in it.")
     if not args.render_only and args.part != "suite":
         run_part(args)
     results = json.loads(args.out.read_text()) if args.render_only or args.part != "suite" else run(args)
