@@ -14,7 +14,7 @@ import torch
 
 from zeropp_strategy.recipes.base import PairDatasetModule
 from zeropp_strategy.rlhf import ops
-from zeropp_strategy.rlhf.models import apply_lora, build_causal_lm
+from zeropp_strategy.rlhf.models import apply_lora, build_causal_lm, disable_dropout
 
 __all__ = ["DPOModule", "sequence_logprobs"]
 
@@ -30,8 +30,8 @@ class DPOModule(PairDatasetModule):
     """Direct preference optimisation (sigmoid loss) of a causal LM against a frozen
     reference, on prompt/chosen/rejected records.
 
-    The reference is a second copy of the starting policy, frozen and in eval mode (dropout
-    off). It is built from the same ``model`` folder, or, for a config dict, copied from the
+    The reference is a second copy of the starting policy, frozen, with its dropout off
+    (``disable_dropout``). It is built from the same ``model`` folder, or, for a config dict, copied from the
     policy before training (so both start equal; under meta-device init the two are
     initialized separately, so start DPO from a trained folder, as one does).
 
@@ -86,7 +86,7 @@ class DPOModule(PairDatasetModule):
             self.reference = copy.deepcopy(self.policy)
         else:
             self.reference = build_causal_lm(self.model_spec)
-        self.reference.requires_grad_(False).eval()
+        disable_dropout(self.reference.requires_grad_(False))  # in train mode, as Lightning expects
         self.policy = apply_lora(self.policy, self.lora)
         if self.precompute_reference:
             self.reference_logps = {"train": self._reference_logps(self._split("preferences")[0]),
@@ -105,12 +105,6 @@ class DPOModule(PairDatasetModule):
             half = logps.shape[0] // 2
             out[batch["index"]] = torch.stack([logps[:half], logps[half:]], dim=1).float()
         return out
-
-    def train(self, mode: bool = True) -> DPOModule:
-        super().train(mode)
-        if self.reference is not None:
-            self.reference.eval()  # Lightning's train() must not switch its dropout back on
-        return self
 
     def export_hf(self, directory: str) -> None:
         from zeropp_strategy.rlhf.export import export_causal_lm

@@ -30,8 +30,8 @@ One training step = one rollout and its updates (manual optimization):
    ``old_logp``, plus ``beta * KL`` per token, aggregated by ``loss_aggregation``. With one
    pass in one mini-batch the ratio is 1 and the rollout's forward is skipped.
 
-Every network stays in eval mode (dropout off), and every forward goes through
-``self(kind, ...)``, for the reasons given in ``recipes/ppo.py``'s header.
+Every network has its dropout off (``disable_dropout``, in train mode), and every forward
+goes through ``self(kind, ...)``, for the reasons given in ``recipes/ppo.py``'s header.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ from zeropp_strategy.rlhf.models import (
     ScalarHeadModel,
     apply_lora,
     build_causal_lm,
+    disable_dropout,
     build_tokenizer,
     positions,
     tiny_llama_config,
@@ -231,15 +232,9 @@ class GRPOModule(LightningModule):
         if self.reward_spec is not None:
             self.reward_model = ScalarHeadModel(self.reward_spec).requires_grad_(False)
         self.actor = apply_lora(actor, self.hparams.lora)
-        self.train(self.training)
-
-    def train(self, mode: bool = True) -> GRPOModule:
-        """Every network stays in eval mode (dropout off): see ``PPOModule.train``."""
-        super().train(mode)
         for net in (self.actor, self.reference, self.reward_model):
-            if net is not None:
-                net.eval()
-        return self
+            if net is not None:  # dropout off, in train mode: see PPOModule
+                disable_dropout(net).train(self.training)
 
     def forward(self, kind: str, input_ids: Tensor, attention_mask: Tensor, **kwargs: Any) -> Any:
         """Every network call, by ``kind``: ``sample`` (completions), ``actor`` /

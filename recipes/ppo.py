@@ -24,8 +24,9 @@ One training step = one rollout and its PPO updates (manual optimization):
    steps both optimizers (actor and critic have their own learning rates).
 3. Optional EMA of the actor, updated on each rank's own shard under ZeRO-3.
 
-Every network stays in eval mode (dropout off) in training too: dropout would make the
-recomputed log-probs differ from the sampled ones and bias the KL and the ratio.
+Every network has its dropout off (``rlhf.models.disable_dropout``: p = 0, in train
+mode): dropout would make the recomputed log-probs differ from the sampled ones and bias
+the KL and the ratio.
 
 Every forward goes through ``self(kind, ...)`` (``forward`` dispatches on ``kind``): under
 ``zeropp`` stage 3 that is the FSDP root's forward, which gathers the parameters outside
@@ -50,6 +51,7 @@ from zeropp_strategy.rlhf.models import (
     ScalarHeadModel,
     apply_lora,
     build_causal_lm,
+    disable_dropout,
     build_tokenizer,
     positions,
     tiny_llama_config,
@@ -212,16 +214,9 @@ class PPOModule(LightningModule):
             ema = copy.deepcopy(self.actor).requires_grad_(False)
             ema.zeropp_keep_dense = True  # updated in place: never stored as frozen int8
             self.ema_actor = ema
-        self.train(self.training)
-
-    def train(self, mode: bool = True) -> PPOModule:
-        """Lightning switches modules to train mode; every network here stays in eval mode
-        (dropout off), so that log-probs are the same when sampled and when recomputed."""
-        super().train(mode)
         for net in (self.actor, self.critic, self.reference, self.reward_model, self.ema_actor):
-            if net is not None:
-                net.eval()
-        return self
+            if net is not None:  # dropout off, in train mode (see the module docstring)
+                disable_dropout(net).train(self.training)
 
     def forward(self, kind: str, input_ids: Tensor, attention_mask: Tensor, **kwargs: Any) -> Any:
         """Every network call, by ``kind``: ``actor``/``reference`` (logits), ``values``

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests._dist import run_ranks
+from tests.test_rlhf_modules import dropout_off
 from tests.test_rlhf_ppo import _trainer  # one process, quiet, limit_train_batches rollouts
 from zeropp_strategy.rlhf import grpo_ops
 from zeropp_strategy.rlhf.models import tiny_llama_config
@@ -46,7 +47,7 @@ def test_grpo_trains_the_actor_only_and_builds_no_reference_at_beta_0(tmp_path):
     trainer = _trainer(tmp_path, 2, limit_val_batches=1)
     trainer.fit(module)
     assert any(not torch.equal(before[k], v) for k, v in module.state_dict().items())
-    assert not any(m.training for m in module.actor.modules())
+    assert dropout_off(module.actor)
     m = trainer.callback_metrics
     for key in ("train_loss", "train_policy_loss", "train_entropy", "train_clip_low_fraction",
                 "train_clip_high_fraction", "train_reward", "train_reward_std", "train_reward_odd_length_mean",

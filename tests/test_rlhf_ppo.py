@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests._dist import run_ranks
+from tests.test_rlhf_modules import dropout_off
 from zeropp_strategy.rlhf import ops
 from zeropp_strategy.rlhf.generation import sample
 from zeropp_strategy.rlhf.models import build_causal_lm, positions, tiny_llama_config
@@ -94,7 +95,7 @@ def test_ppo_trains_the_actor_and_critic_only_and_keeps_dropout_off(tmp_path):
     changed = {k.split(".")[0] for k in before if not torch.equal(before[k], after[k])}
     assert changed == {"actor", "critic", "ema_actor"}
     for net in (module.actor, module.critic, module.reference, module.reward_model, module.ema_actor):
-        assert not any(m.training for m in net.modules())
+        assert dropout_off(net)
     m = trainer.callback_metrics
     for key in ("train_policy_loss", "train_value_loss", "train_entropy", "train_clip_fraction", "train_kl",
                 "train_reward", "train_response_length", "train_ptx_loss"):

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from zeropp_strategy.rlhf.ops import last_index
 
 __all__ = ["HEAD_FILE", "STATS_FILE", "ScalarHeadModel", "apply_lora", "build_causal_lm", "build_tokenizer",
+           "disable_dropout",
            "positions", "tiny_llama_config"]
 
 # A ScalarHeadModel folder (written by export.export_scalar_model): the backbone's
@@ -70,6 +71,22 @@ def build_causal_lm(model: str | dict[str, Any], *, dtype: torch.dtype | None = 
     if isinstance(model, dict):
         return AutoModelForCausalLM.from_config(_config(model), **_dtype_kwargs(dtype))
     return AutoModelForCausalLM.from_pretrained(model, **_dtype_kwargs(dtype))
+
+
+def disable_dropout(model: nn.Module) -> nn.Module:
+    """Turn every dropout of ``model`` off for good, in train mode too: ``p = 0`` on each
+    ``nn.Dropout`` (peft's ``lora_dropout`` included) and ``0.0`` for the float
+    ``attention_dropout`` that Hugging Face attention modules pass to SDPA. RLHF
+    recomputes log-probs and values that must equal the sampled ones, so its networks
+    must not drop anything; doing it here rather than with ``eval()`` keeps them in the
+    train mode Lightning expects (it warns about modules in eval mode at the start of
+    training). Returns ``model``."""
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+        if isinstance(getattr(m, "attention_dropout", None), float):
+            m.attention_dropout = 0.0
+    return model
 
 
 def apply_lora(model: nn.Module, lora: dict[str, Any] | None) -> nn.Module:
