@@ -51,7 +51,8 @@ from zeropp_strategy.checkpoint.objects import load_objects, save_objects
 from zeropp_strategy.comm import control
 from zeropp_strategy.comm.ledger import CommLedger, Phase
 from zeropp_strategy.config import ZeroConfig
-from zeropp_strategy.engine.core import ZeroEngine, close_offload
+from zeropp_strategy.engine.core import ZeroEngine
+from zeropp_strategy.engine.memory import close_offload
 from zeropp_strategy.engine.fsdp import ShardedRoot, fsdp_modules
 from zeropp_strategy.engine.guards import check_nonfinite, check_nonfinite_policy, unwrap
 from zeropp_strategy.engine.precision import (

@@ -35,7 +35,7 @@ from zeropp_strategy.comm.comm_thread import BackwardDeferral, CommThread, Threa
 from zeropp_strategy.comm.hierarchical import NodeGroups
 from zeropp_strategy.comm.ledger import CommKind, CommLedger
 from zeropp_strategy.config import ZeroConfig
-from zeropp_strategy.engine.memory_plan import MemoryPlan, bound_heap, plan_memory
+from zeropp_strategy.engine.memory_plan import MemoryPlan, check_memory_plan
 from zeropp_strategy.engine.fsdp import ShardedRoot, fsdp_modules, materialize, replicated_params, shard_module
 from zeropp_strategy.engine.guards import (  # noqa: F401 - NONFINITE_POLICIES ... re-exported from their old home
     NONFINITE_POLICIES,
@@ -60,15 +60,6 @@ from zeropp_strategy.plan import resolve
 from zeropp_strategy.topology import Meshes, Topology
 
 log = logging.getLogger(__name__)
-
-
-def close_offload(optimizer: Any) -> None:
-    """Close the OffloadOptimizer inside Lightning's/Accelerate's/stage 1's wrappers, if any."""
-    from zeropp_strategy.engine.memory import offloaded
-
-    inner = offloaded(getattr(optimizer, "optimizer", optimizer)) or offloaded(optimizer)
-    if inner is not None:
-        inner.close()
 
 
 class ZeroEngine:
@@ -287,33 +278,10 @@ class ZeroEngine:
         return blocks
 
     def check_memory_plan(self, root: nn.Module) -> MemoryPlan | None:
-        """With offload and a ``host_memory_budget_bytes``, the plan of what this rank's host
-        memory and the swap drives must hold, logged once; a plan that does not fit is
-        refused on every rank before any shard is allocated ([Note: the memory plan])."""
-        cfg = self.config
-        if cfg.host_memory_budget_bytes is None or self.stage != 3 or (
-                cfg.offload_param.device == "none" and cfg.offload_optimizer.device == "none"):
-            return None
-        from zeropp_strategy.engine.wrap import select_blocks
-
-        blocks = select_blocks(root, wrap_modules=cfg.wrap_modules, wrap_min_params=cfg.wrap_min_params)
-        gather_dtype = self.precision.mp_policy(gather_16bit=self.plan.gather_16bit).param_dtype
-        local_ranks = self.world_size if cfg.simulated_nodes else self.topology.ranks_per_node  # on this machine
-        plan = plan_memory(root, blocks, cfg, world_size=self.world_size, ranks_per_node=local_ranks,
-                           device=self.device, gather_bytes=gather_dtype.itemsize if gather_dtype else 4)
-        self.info(plan.describe())
-        self.memory_plan = plan
-
-        def refuse() -> None:
-            problems = plan.problems()
-            if problems:
-                raise ValueError("ZeroConfig.host_memory_budget_bytes: this run cannot fit, so it was refused before "
-                                 "allocating anything:\n  - " + "\n  - ".join(problems) + "\n" + plan.describe())
-
-        self.agree("checking the memory plan", refuse)
-        if cfg.offload_param.device == "nvme":
-            bound_heap()  # freed buffers go back to the system instead of piling up in the heap
-        return plan
+        """``memory_plan.check_memory_plan`` for this engine ([Note: the memory plan]); the
+        plan is kept in ``memory_plan``."""
+        self.memory_plan = check_memory_plan(self, root) or self.memory_plan
+        return self.memory_plan
 
     def log_offload(self, field: str, what: str, swap_dir: str | None = None) -> None:
         """One line at INFO on rank 0 (``self.info``, as the topology) per offloaded model or

@@ -27,7 +27,7 @@ from __future__ import annotations
 import resource
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -213,3 +213,10 @@ def memory_stats(module: nn.Module, optimizers: list[Optimizer], *, stage: int, 
         offloaded_cpu_bytes=off_cpu,
         offloaded_nvme_bytes=off_nvme,
     )
+
+
+def close_offload(optimizer: Any) -> None:
+    """Close the OffloadOptimizer inside Lightning's/Accelerate's/stage 1's wrappers, if any."""
+    inner = offloaded(getattr(optimizer, "optimizer", optimizer)) or offloaded(optimizer)
+    if inner is not None:
+        inner.close()

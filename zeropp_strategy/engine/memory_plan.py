@@ -35,6 +35,7 @@ import math
 import os
 import shutil
 from collections.abc import Iterable
+from typing import Any
 from dataclasses import dataclass, field
 
 import torch
@@ -43,7 +44,7 @@ from torch import nn
 from zeropp_strategy.config import ZeroConfig
 
 __all__ = ["ADAM_STATE_BYTES", "AUTO_FRACTION", "HEAP_MMAP_THRESHOLD_BYTES", "RUNTIME_BYTES", "MemoryPlan",
-           "auto_budget_bytes", "bound_heap", "plan_memory"]
+           "auto_budget_bytes", "bound_heap", "check_memory_plan", "plan_memory"]
 
 RUNTIME_BYTES = 768 * 2**20
 """Host memory of one rank before any model state: measured 540 MB RSS (360 MB anonymous)
@@ -273,3 +274,33 @@ def plan_memory(root: nn.Module, blocks: list[nn.Module], config: ZeroConfig, *,
         budget_bytes, source = int(budget), "ZeroConfig.host_memory_budget_bytes"
     return MemoryPlan(budget_bytes=budget_bytes, budget_source=source, host=tuple(host), disk=tuple(disk),
                       disk_free=free, ranks_per_node=ranks_per_node, params=_elems(params))
+
+
+def check_memory_plan(engine: Any, root: nn.Module) -> MemoryPlan | None:
+    """For ``engine`` (a ``ZeroEngine``), with offload and a ``host_memory_budget_bytes``:
+    the plan of what this rank's host memory and the swap drives must hold, logged once; a
+    plan that does not fit is refused on every rank, through ``engine.agree``, before any
+    shard is allocated ([Note: the memory plan])."""
+    cfg = engine.config
+    if cfg.host_memory_budget_bytes is None or engine.stage != 3 or (
+            cfg.offload_param.device == "none" and cfg.offload_optimizer.device == "none"):
+        return None
+    from zeropp_strategy.engine.wrap import select_blocks
+
+    blocks = select_blocks(root, wrap_modules=cfg.wrap_modules, wrap_min_params=cfg.wrap_min_params)
+    gather_dtype = engine.precision.mp_policy(gather_16bit=engine.plan.gather_16bit).param_dtype
+    local_ranks = engine.world_size if cfg.simulated_nodes else engine.topology.ranks_per_node  # on this machine
+    plan = plan_memory(root, blocks, cfg, world_size=engine.world_size, ranks_per_node=local_ranks,
+                       device=engine.device, gather_bytes=gather_dtype.itemsize if gather_dtype else 4)
+    engine.info(plan.describe())
+
+    def refuse() -> None:
+        problems = plan.problems()
+        if problems:
+            raise ValueError("ZeroConfig.host_memory_budget_bytes: this run cannot fit, so it was refused before "
+                             "allocating anything:\n  - " + "\n  - ".join(problems) + "\n" + plan.describe())
+
+    engine.agree("checking the memory plan", refuse)
+    if cfg.offload_param.device == "nvme":
+        bound_heap()  # freed buffers go back to the system instead of piling up in the heap
+    return plan

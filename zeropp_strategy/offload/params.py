@@ -61,14 +61,12 @@ from __future__ import annotations
 
 import logging
 import mmap
-import os
 import resource
 import threading
 import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -86,7 +84,8 @@ from zeropp_strategy.fsdp_private import (
     unshard_is_noop,
     wrap_unshard,
 )
-from zeropp_strategy.offload.swap import ALIGN, SwapDir, SwapFile, align_up, start_write_back, write_back
+from zeropp_strategy.offload.swap import ALIGN, MappedRegion as _Region, NoPool as _NoPool, SwapDir, SwapFile, align_up
+from zeropp_strategy.offload.swap import start_write_back, write_back
 
 log = logging.getLogger(__name__)
 
@@ -101,35 +100,6 @@ WRITE_BEHIND_LIMIT_BYTES = 512 * 2**20
 """At most this many bytes (or the store's size, if smaller) queued for write-behind: the
 queued regions are dirty pages mapped into the process, counted in its resident size, so
 the queue is part of the memory plan ([Note: the memory plan] in engine/memory_plan.py)."""
-
-
-class _Region:
-    """One parameter shard's bytes in a mapped swap file (4 KiB aligned).
-
-    ``uses`` counts read-ahead requests: the write-behind thread drops a region's pages
-    only if it did not change since the region was queued ([Note: write-behind])."""
-
-    __slots__ = ("mm", "fd", "path", "addr", "start", "nbytes", "length", "uses")
-
-    def __init__(self, mm: mmap.mmap, fd: int, path: Path, base_addr: int, start: int, nbytes: int) -> None:
-        self.mm, self.fd, self.path, self.start, self.nbytes = mm, fd, path, start, nbytes
-        self.addr = base_addr + start
-        self.length = align_up(nbytes) if nbytes else 0
-        self.uses = 0
-
-    def prefetch(self) -> None:
-        if self.length:
-            self.uses += 1
-            self.mm.madvise(mmap.MADV_WILLNEED, self.start, self.length)
-
-    def evict(self, *, drop_cache: bool) -> None:
-        """Unmap the pages from this process; with ``drop_cache``, ask the page cache to drop
-        them too (it drops the clean ones; dirty ones stay until written), so that they rest
-        on disk, not in RAM."""
-        if self.length:
-            self.mm.madvise(mmap.MADV_DONTNEED, self.start, self.length)
-            if drop_cache:
-                os.posix_fadvise(self.fd, self.start, self.length, os.POSIX_FADV_DONTNEED)
 
 
 class _WriteBehind:
@@ -514,10 +484,3 @@ class ParamStore:
         self._dir.close()
         if not self._error_raised:
             self._raise_write_error()
-
-
-class _NoPool:
-    """ParamStore reads and writes through the mapping, never through the pool."""
-
-    def submit(self, *args: Any, **kwargs: Any) -> Any:  # pragma: no cover
-        raise RuntimeError("ParamStore swap files are memory mapped")

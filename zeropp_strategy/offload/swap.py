@@ -35,6 +35,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import logging
+import mmap
 import os
 import shutil
 import socket
@@ -43,6 +44,7 @@ import tempfile
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -294,3 +296,39 @@ def write_back(fd: int, addr: int, offset: int, nbytes: int) -> None:
 def wait(futures: list[Future]) -> None:
     for f in futures:
         f.result()
+
+
+class MappedRegion:
+    """One tensor's bytes in a memory-mapped swap file (the NVMe ``ParamStore``) (4 KiB aligned).
+
+    ``uses`` counts read-ahead requests: the write-behind thread drops a region's pages
+    only if it did not change since the region was queued ([Note: write-behind])."""
+
+    __slots__ = ("mm", "fd", "path", "addr", "start", "nbytes", "length", "uses")
+
+    def __init__(self, mm: mmap.mmap, fd: int, path: Path, base_addr: int, start: int, nbytes: int) -> None:
+        self.mm, self.fd, self.path, self.start, self.nbytes = mm, fd, path, start, nbytes
+        self.addr = base_addr + start
+        self.length = align_up(nbytes) if nbytes else 0
+        self.uses = 0
+
+    def prefetch(self) -> None:
+        if self.length:
+            self.uses += 1
+            self.mm.madvise(mmap.MADV_WILLNEED, self.start, self.length)
+
+    def evict(self, *, drop_cache: bool) -> None:
+        """Unmap the pages from this process; with ``drop_cache``, ask the page cache to drop
+        them too (it drops the clean ones; dirty ones stay until written), so that they rest
+        on disk, not in RAM."""
+        if self.length:
+            self.mm.madvise(mmap.MADV_DONTNEED, self.start, self.length)
+            if drop_cache:
+                os.posix_fadvise(self.fd, self.start, self.length, os.POSIX_FADV_DONTNEED)
+
+
+class NoPool:
+    """ParamStore reads and writes through the mapping, never through the pool."""
+
+    def submit(self, *args: Any, **kwargs: Any) -> Any:  # pragma: no cover
+        raise RuntimeError("ParamStore swap files are memory mapped")
