@@ -86,7 +86,7 @@ class DPOModule(PairDatasetModule):
             self.reference = copy.deepcopy(self.policy)
         else:
             self.reference = build_causal_lm(self.model_spec)
-        disable_dropout(self.reference.requires_grad_(False))  # in train mode, as Lightning expects
+        disable_dropout(self.reference.requires_grad_(False)).train()  # from_pretrained gives eval mode; Lightning warns
         self.policy = apply_lora(self.policy, self.lora)
         if self.precompute_reference:
             self.reference_logps = {"train": self._reference_logps(self._split("preferences")[0]),

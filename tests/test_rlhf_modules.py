@@ -91,6 +91,7 @@ def test_dpo_starts_at_log2_and_keeps_the_reference_frozen_and_in_eval(tmp_path)
     lp = sequence_logprobs(module.policy, batch)
     assert lp.shape == (16,) and (lp < 0).all()
     before = {k: v.clone() for k, v in module.reference.state_dict().items()}
+    module.train()  # Lightning keeps the mode it finds (and warns about eval modules)
     trainer = _trainer(tmp_path, 5)
     trainer.fit(module)
     assert dropout_off(module.reference) and not any(p.requires_grad for p in module.reference.parameters())
