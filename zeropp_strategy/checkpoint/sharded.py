@@ -130,12 +130,37 @@ def hf_models(module: nn.Module) -> list[dict[str, Any]]:
 # -- save -------------------------------------------------------------------------------
 
 
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a zero-copy view whose storage spans exactly its bytes.
+
+    DCP's writer clones every tensor whose storage is larger than the tensor (an FSDP2
+    shard is a view of its padded flat buffer; an NVMe-offloaded shard or optimizer state
+    is a view of a whole swap file), and torch 2.13's writer keeps every tensor it wrote
+    until the rank's file is finished: a save then held a copy of the rank's whole shard,
+    12 bytes per parameter with Adam. A view with its own storage is not cloned, and what
+    the writer keeps costs nothing. The view holds the original storage alive."""
+    if isinstance(t, DTensor):
+        local = _own_storage(t.to_local())
+        return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
+    if t.untyped_storage().nbytes() == t.nbytes or not t.is_contiguous() or t.device.type != "cpu":
+        return t
+    start = t.storage_offset() * t.element_size()
+    storage = t.untyped_storage()[start : start + t.nbytes]
+    return torch.empty(0, dtype=t.dtype).set_(storage, 0, t.shape, t.stride())
+
+
+def _own_storages(tree: Any) -> Any:
+    if isinstance(tree, Mapping):
+        return {k: _own_storages(v) for k, v in tree.items()}
+    return _own_storage(tree) if isinstance(tree, torch.Tensor) else tree
+
+
 def save_tensors(tensors: Mapping[str, Any], directory: Path) -> None:
     """Collective: every rank writes its shards into ``directory`` and checksums them
     ([Note: checkpoint checksums]). On failure (a full disk) every rank raises, and the
     staged ``directory`` is removed: nothing was published."""
     try:
-        dcp.save(dict(tensors), checkpoint_id=str(directory))
+        dcp.save(_own_storages(tensors), checkpoint_id=str(directory))
         integrity.record(directory)
     except (Exception, CheckpointException) as err:  # the latter is a BaseException
         if integrity.is_writer():  # every rank is past its writes: DCP gathers their results first
@@ -200,6 +225,9 @@ def load_optimizer(module: nn.Module, optimizer: Optimizer, directory: Path, ind
             f"{len(inner.param_groups)}. Fix: build the same param groups in configure_optimizers."
         )
     targets: dict[str, dict[str, torch.Tensor]] = {}
+    # An optimizer whose state lives in swap files (offload to NVMe) offers views of them, so
+    # DCP reads the state straight into the files, never the whole shard into memory.
+    in_place = getattr(inner, "checkpoint_target", None)
     for fqn, entries in meta["state_meta"].items():
         if fqn not in by_name:
             raise KeyError(f"checkpoint optimizer {index} has state for {fqn!r}, which this run's optimizer lacks")
@@ -210,7 +238,9 @@ def load_optimizer(module: nn.Module, optimizer: Optimizer, directory: Path, ind
             info = md[f"optim.{index}.{fqn}.{key}"]
             dtype = info.properties.dtype
             if key != "step" and tuple(info.size) == tuple(p.shape):  # see follows_param
-                t = torch.zeros_like(p, dtype=dtype)  # DTensor -> same placements
+                t = in_place(p, key) if in_place is not None else None
+                if t is None or t.dtype != dtype:
+                    t = torch.zeros_like(p, dtype=dtype)  # DTensor -> same placements
             else:
                 t = torch.zeros(tuple(info.size), dtype=dtype, device="cpu" if p.device.type == "meta" else p.device)
             targets.setdefault(fqn, {})[key] = t

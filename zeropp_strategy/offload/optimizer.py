@@ -309,6 +309,19 @@ class OffloadOptimizer(NvmeStream, WrappingOptimizer):
             out[key] = _like_param(mapped[lo : lo + n], p)
         return out
 
+    def checkpoint_target(self, p: Tensor, key: str) -> Tensor | None:
+        """Where a checkpoint reader may write ``key``'s state of ``p`` in place, or None.
+
+        NVMe mode: a view of the swap file in ``p``'s layout (page cache, no host copy), so a
+        resume reads the state straight into the files instead of holding this rank's whole
+        optimizer state (8 bytes per parameter for Adam) in memory first; ``load_state_dict``
+        then finds it already in place. Host mode: None (the reader allocates)."""
+        pieces = self._by_param.get(id(p), [])
+        if not pieces or not pieces[0].swapped or key not in self._elementwise:
+            return None
+        lo = pieces[0].offset
+        return _like_param(self._streams[p.dtype].mapped(key)[lo : lo + _local(p).numel()], p)
+
     def state_dict(self) -> dict[str, Any]:
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         state = {i: s for i, p in enumerate(params) if (s := self._param_state(p))}
@@ -372,7 +385,9 @@ class OffloadOptimizer(NvmeStream, WrappingOptimizer):
         stream = self._streams[p.dtype]
         lo = pieces[0].offset
         for key, v in flat.items():
-            stream.mapped(key)[lo : lo + local_n].copy_(v)
+            dest = stream.mapped(key)[lo : lo + local_n]
+            if dest.data_ptr() != v.data_ptr():  # read in place through checkpoint_target: already there
+                dest.copy_(v)
         for pc in pieces:
             pc.initialized = True
             stream.scalars[id(pc)] = {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in scalars.items()}
