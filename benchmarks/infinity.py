@@ -3,6 +3,7 @@
     sudo python benchmarks/infinity.py --nvme /var/tmp/zeropp-nvme              # default sizes
     python benchmarks/infinity.py --nvme DIR --sizes 0.1B --steps 2          # a quick look
     python benchmarks/infinity.py --plot-only                                # redraw the plot
+    sudo python benchmarks/infinity.py --nvme DIR --checkpoint --sizes 2.1B  # sharded save + resume
 
 Each size is one 2-rank CPU job (Lightning, ``ZeroPPStrategy(stage=3)`` with
 ``offload_param`` and ``offload_optimizer`` on NVMe under ``--nvme``, the memory plan's
@@ -47,6 +48,7 @@ SIZES = {  # name -> (hidden, layers, MLP width); vocabulary 32000, heads of 128
 }
 VOCAB, SEQ = 32000, 64
 RESULTS = ROOT / "benchmarks" / "results" / "infinity.json"
+CHECKPOINT_RESULTS = ROOT / "benchmarks" / "results" / "infinity_checkpoint.json"
 PLOT = ROOT / "docs" / "img" / "infinity.png"
 
 
@@ -68,18 +70,22 @@ def _status() -> dict[str, int]:
 
 
 class _Peak(threading.Thread):
-    """Samples this process's RSS every 20 ms; keeps the peaks."""
+    """Samples this process's RSS every 20 ms; keeps the peaks, overall and per ``phase``."""
 
     def __init__(self) -> None:
         super().__init__(daemon=True)
         self.peak = {"VmRSS": 0, "RssAnon": 0, "RssFile": 0}
+        self.phase = "setup"
+        self.phases: dict[str, dict[str, int]] = {}
         self.stop = threading.Event()
 
     def run(self) -> None:
         while not self.stop.wait(0.02):
             s = _status()
+            phase = self.phases.setdefault(self.phase, dict.fromkeys(self.peak, 0))
             for k in self.peak:
                 self.peak[k] = max(self.peak[k], s.get(k, 0))
+                phase[k] = max(phase[k], s.get(k, 0))
 
 
 def _disk_sectors(path: str) -> tuple[int, int]:
@@ -128,6 +134,9 @@ def run_cell(args: argparse.Namespace) -> None:
             (ids,) = batch
             return self.model(input_ids=ids, labels=ids).loss
 
+        def on_load_checkpoint(self, checkpoint):  # noqa: ANN001 - before the tensors are read
+            record.mark("load")
+
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=args.lr)
 
@@ -136,19 +145,47 @@ def run_cell(args: argparse.Namespace) -> None:
             return DataLoader(TensorDataset(ids.repeat(args.steps, 1)), batch_size=1)
 
     class Record(Callback):
+        """Per step: time, loss, drive bytes; per phase (setup, load, train, save): time and drive bytes."""
+
         def __init__(self) -> None:
             self.steps: list[dict] = []
+            self.phases: dict[str, dict] = {}
             self.t0 = 0.0
             self.disk0 = (0, 0)
+            self._phase = ("setup", time.perf_counter(), _disk_sectors(args.nvme))
+            self._start_anon = _status().get("RssAnon", 0)
+
+        def mark(self, phase: str) -> None:
+            """End the current phase (its time and drive bytes) and start ``phase``."""
+            name, t0, (r0, w0) = self._phase
+            r, w = _disk_sectors(args.nvme)
+            entry = self.phases.setdefault(name, {"s": 0.0, "disk_read_bytes": 0, "disk_write_bytes": 0,
+                                                  "start_anon": self._start_anon})
+            entry["s"] += time.perf_counter() - t0
+            entry["disk_read_bytes"] += (r - r0) * 512
+            entry["disk_write_bytes"] += (w - w0) * 512
+            self._phase = (phase, time.perf_counter(), (r, w))
+            self._start_anon = _status().get("RssAnon", 0)
+            peak.phase = phase
+
+        def on_train_start(self, trainer, pl_module):  # noqa: ANN001
+            self.mark("train")
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # noqa: ANN001
             self.t0, self.disk0 = time.perf_counter(), _disk_sectors(args.nvme)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # noqa: ANN001
             r, w = _disk_sectors(args.nvme)
-            self.steps.append({"step_s": time.perf_counter() - self.t0, "loss": float(outputs["loss"]),
-                               "disk_read_bytes": (r - self.disk0[0]) * 512,
+            self.steps.append({"step": trainer.global_step, "step_s": time.perf_counter() - self.t0,
+                               "loss": float(outputs["loss"]), "disk_read_bytes": (r - self.disk0[0]) * 512,
                                "disk_write_bytes": (w - self.disk0[1]) * 512})
+            if args.save_after and trainer.global_step == args.save_after:
+                self.mark("save")
+                trainer.save_checkpoint(args.ckpt)  # a sharded directory (stage 3's default)
+                self.mark("train")
+
+        def on_train_end(self, trainer, pl_module):  # noqa: ANN001
+            self.mark("end")
 
     nvme = {"device": "nvme", "nvme_path": args.nvme}
     budget = args.budget if args.budget == "auto" else int(float(args.budget) * 2**30)
@@ -161,7 +198,7 @@ def run_cell(args: argparse.Namespace) -> None:
     t_setup = time.perf_counter()
     out: dict = {"rank": trainer.global_rank}
     try:
-        trainer.fit(Llama())
+        trainer.fit(Llama(), ckpt_path=args.resume)
     except ValueError as e:
         if "cannot fit" not in str(e):
             raise
@@ -170,6 +207,8 @@ def run_cell(args: argparse.Namespace) -> None:
     out["fit_s"] = time.perf_counter() - t_setup
     out["steps"] = record.steps
     out["peak"] = peak.peak
+    out["phase_peaks"] = peak.phases
+    out["phases"] = record.phases
     out["VmHWM"] = _status()["VmHWM"]
     engine = getattr(getattr(strategy, "_session", None), "engine", None)
     plan = getattr(engine, "memory_plan", None)
@@ -183,10 +222,10 @@ def run_cell(args: argparse.Namespace) -> None:
 # -- the driver ---------------------------------------------------------------------------
 
 
-def run_size(name: str, args: argparse.Namespace) -> dict:
+def run_size(name: str, args: argparse.Namespace, *extra: str) -> dict:
     out = Path(args.nvme) / f"cell-{name}.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--cell", name, "--nvme", args.nvme, "--steps",
-           str(args.steps), "--budget", str(args.budget), "--lr", str(args.lr), "--out", str(out)]
+           str(args.steps), "--budget", str(args.budget), "--lr", str(args.lr), "--out", str(out), *extra]
     t0 = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.cell_timeout_s, cwd=ROOT)
     ranks = []
@@ -238,6 +277,59 @@ def summarize(res: dict) -> str:
     return "\n".join(lines)
 
 
+# -- checkpoints at this size --------------------------------------------------------------
+
+
+def run_checkpoint(name: str, args: argparse.Namespace) -> dict:
+    """Train ``--steps`` steps saving a sharded checkpoint after ``--save-after``; then a second
+    job resumes from it and trains to ``--steps``. Its losses must equal the first job's, bit for bit."""
+    import shutil
+
+    ckpt = Path(args.nvme) / f"ckpt-{name}"
+    shutil.rmtree(ckpt, ignore_errors=True)
+    first = run_size(name, args, "--save-after", str(args.save_after), "--ckpt", str(ckpt))
+    ckpt_bytes = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file()) if ckpt.is_dir() else 0
+    second = run_size(name, args, "--resume", str(ckpt)) if ckpt_bytes else {"error": "no checkpoint was written"}
+    shutil.rmtree(ckpt, ignore_errors=True)
+    cell = {"size": name, "params": first["params"], "checkpoint_bytes": ckpt_bytes, "train": first, "resume": second}
+    if first.get("ranks") and second.get("ranks"):
+        after = [s["loss"] for s in first["ranks"][0]["steps"] if s["step"] > args.save_after]
+        resumed = [s["loss"] for s in second["ranks"][0]["steps"]]
+        cell["losses_after_save"], cell["losses_resumed"] = after, resumed
+        cell["exact"] = bool(after) and after == resumed
+    return cell
+
+
+def summarize_checkpoint(res: dict) -> str:
+    gb = 1e9
+    lines = ["| model | checkpoint | phase | time s | drive read / written (GB) | peak anon / file-mapped per rank, max (GiB) "
+             "| budget (GiB) |", "|---|---:|---|---:|---|---|---:|"]
+    for c in res["cells"]:
+        for job, phase in (("train", "train"), ("train", "save"), ("resume", "setup"), ("resume", "load"),
+                           ("resume", "train")):
+            ranks = (c.get(job) or {}).get("ranks") or []
+            if not ranks or phase not in ranks[0].get("phases", {}):
+                continue
+            p = ranks[0]["phases"][phase]
+            anon = max(r["phase_peaks"].get(phase, {}).get("RssAnon", 0) for r in ranks) / 2**30
+            file = max(r["phase_peaks"].get(phase, {}).get("RssFile", 0) for r in ranks) / 2**30
+            budget = (ranks[0].get("plan") or {}).get("budget_bytes", 0) / 2**30
+            label = {"train": "training", "save": "sharded save", "setup": "set-up (streaming init)",
+                     "load": "sharded resume (model + optimizer)"}[phase] + (" (resumed job)" if job == "resume" and
+                                                                              phase == "train" else "")
+            lines.append(f"| {c['size']} ({c['params'] / 1e9:.2f}B) | {c['checkpoint_bytes'] / gb:.1f} GB | {label} | "
+                         f"{p['s']:.0f} | {p['disk_read_bytes'] / gb:.1f} / {p['disk_write_bytes'] / gb:.1f} | "
+                         f"{anon:.2f} / {file:.2f} | {budget:.2f} |")
+        if "exact" in c:
+            lines += ["", f"{c['size']}: losses after step {res['meta']['save_after']}: uninterrupted "
+                          f"{c['losses_after_save']}, resumed {c['losses_resumed']}: "
+                          f"{'equal, bit for bit' if c['exact'] else 'DIFFERENT'}."]
+        for job in ("train", "resume"):
+            if (c.get(job) or {}).get("error"):
+                lines += ["", f"{c['size']} {job} job failed: {c[job]['error'][-800:]}"]
+    return "\n".join(lines)
+
+
 def plot(res: dict) -> None:
     import matplotlib
 
@@ -274,12 +366,24 @@ def main() -> None:
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--cell", default=None, help=argparse.SUPPRESS)  # one job (internal)
     ap.add_argument("--plot-only", action="store_true")
+    ap.add_argument("--checkpoint", action="store_true",
+                    help="save a sharded checkpoint after --save-after steps, resume it in a new job, compare losses")
+    ap.add_argument("--save-after", type=int, default=0)
+    ap.add_argument("--ckpt", default=None, help=argparse.SUPPRESS)  # one job (internal): where to save
+    ap.add_argument("--resume", default=None, help=argparse.SUPPRESS)  # one job (internal): what to resume
     args = ap.parse_args()
     if args.cell:
         run_cell(args)
         return
+    if args.checkpoint:
+        args.save_after = args.save_after or 1
+        if args.out == str(RESULTS):
+            args.out = str(CHECKPOINT_RESULTS)
     if args.plot_only:
         res = json.loads(Path(args.out).read_text())
+        if args.checkpoint:
+            print(summarize_checkpoint(res))
+            return
         plot(res)
         print(summarize(res))
         return
@@ -293,6 +397,14 @@ def main() -> None:
                     "date": time.strftime("%Y-%m-%d"), "hardware": hardware(None), "matmul_ms": _matmul_ms(),
                     "fio": fio_bandwidth(Path(args.nvme), 2048, drop=os.geteuid() == 0)},
            "cells": []}
+    if args.checkpoint:
+        res["meta"]["save_after"] = args.save_after
+        for name in args.sizes.split(","):
+            print(f"{name}: train, save after step {args.save_after}, resume", flush=True)
+            res["cells"].append(run_checkpoint(name, args))
+            Path(args.out).write_text(json.dumps(res, indent=1))
+            print(summarize_checkpoint(res), flush=True)
+        return
     for name in args.sizes.split(","):
         print(f"{name}: running", flush=True)
         cell = run_size(name, args)
