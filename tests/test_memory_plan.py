@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.utils.checkpoint
 
 from tests._dist import run_ranks
 from zeropp_strategy.config import ZeroConfig
@@ -108,6 +109,48 @@ def test_budget_field_is_checked(value, exc):
         ZeroConfig(host_memory_budget_bytes=value)
 
 
+def test_activation_meter_counts_what_backward_keeps():
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    measured = []
+    meter = memory_plan.ActivationMeter(net, measured.append)
+    x = torch.randn(5, 8)
+    with torch.no_grad():  # a forward without gradients (a sanity check) is not measured
+        net(x)
+    assert measured == []
+    net(x).sum().backward()
+    # Saved for backward: the input (for the first weight's gradient) and the ReLU's output
+    # (for the ReLU and the second weight's gradient; one storage). Not the weights.
+    assert measured == [5 * 8 * 4 + 5 * 16 * 4]
+    net(x).sum().backward()  # measured once: the hooks are gone
+    assert measured == [5 * 8 * 4 + 5 * 16 * 4] and meter.nbytes == measured[0]
+
+    class Checkpointed(torch.nn.Module):  # a block under activation checkpointing inside the root
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+        def forward(self, x):  # noqa: ANN001, ANN201
+            return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+
+    seen = []
+    module = Checkpointed()
+    memory_plan.ActivationMeter(module, seen.append)
+    module(x).sum().backward()
+    assert seen == [5 * 8 * 4]  # only the block's input is kept: the rest is recomputed in backward
+
+
+def test_measured_activations_join_the_plan_and_warn_over_budget(tmp_path, caplog):
+    plan = memory_plan.MemoryPlan(budget_bytes=GiB, budget_source="test", host=(("runtime", GiB // 2),), disk=())
+    lines = []
+    engine = type("E", (), {"memory_plan": plan, "rank": 0, "info": staticmethod(lines.append)})()
+    memory_plan._measured(engine, GiB // 4)
+    assert engine.memory_plan.host[-1] == (memory_plan.ACTIVATIONS_ROW, GiB // 4)
+    assert "0.25 GiB" in lines[0] and "0.75 GiB of its 1.00 GiB budget" in lines[0]
+    with caplog.at_level("WARNING", logger=memory_plan.__name__):
+        memory_plan._measured(engine, GiB)
+    assert "over it" in caplog.text and "Fix:" in caplog.text and len(lines) == 1
+
+
 def _worker(rank: int, world: int, tmp: str) -> dict:
     from lightning.pytorch import Callback, Trainer, seed_everything
 
@@ -153,9 +196,13 @@ def _worker(rank: int, world: int, tmp: str) -> dict:
         seed_everything(0)
         watch = Watch()
         module = MetaInitModule()
-        Trainer(strategy=ZeroPPStrategy(stage=3, **fields), callbacks=[watch], **trainer_kwargs(world, max_steps=4)
-                ).fit(module)
+        trainer = Trainer(strategy=ZeroPPStrategy(stage=3, **fields), callbacks=[watch],
+                          **trainer_kwargs(world, max_steps=4))
+        trainer.fit(module)
         runs[name] = (watch, full_model_state(module))
+        plan = trainer.strategy._session.engine.memory_plan if name == "nvme" else None
+        if plan is not None:
+            out["activations"] = dict(plan.host).get(memory_plan.ACTIVATIONS_ROW)
     (ref, ref_final), (run, final) = runs["stage3"], runs["nvme"]
     out["init_diff"] = max((ref.initial[k] - run.initial[k]).abs().max().item() for k in ref.initial)
     out["final_diff"] = max((ref_final[k] - final[k]).abs().max().item() for k in final)
@@ -174,5 +221,6 @@ def test_refused_on_every_rank_and_streamed_init_equals_whole(tmp_path):
         assert out["init_diff"] == 0.0, out
         assert out["final_diff"] <= TOL, out
         assert out["grads_in_file"] == [True] * 4, out
+        assert out["activations"] and out["activations"] > 0, out  # measured at the first step, in the plan
         assert all(math.isfinite(x) for x in out["losses"]), out
     assert shutil.disk_usage(tmp_path).free > 0

@@ -18,8 +18,14 @@ enough) and the blocks are chosen, before any parameter is allocated:
 - the runtime itself (``RUNTIME_BYTES``: Python, torch, Lightning, the process group;
   measured at 540 MB of RSS after the imports on the reference machine, rounded up).
 
-Activations are not estimated (they depend on the batch, which the strategy does not see
-when it shards the model); the plan logs the headroom the budget leaves for them.
+Activations depend on the batch, which the strategy does not see when it shards the
+model, so they cannot be planned before the start. The plan logs the headroom the
+budget leaves for them, and on a CPU device (where activations are host memory; on an
+accelerator they are device memory, outside this plan) an ``ActivationMeter`` measures
+them at the first training forward: the bytes of the tensors autograd saves for
+backward, which is what a micro-batch keeps alive until its backward. The engine adds
+them to the plan as a row, logs the total against the budget once, and warns, with the
+fix, when they take it over the budget.
 
 ``plan_memory`` computes the terms per rank; ``MemoryPlan.problems`` compares them with
 the budget (``ZeroConfig.host_memory_budget_bytes``, or ``auto``: this machine's available
@@ -34,17 +40,18 @@ from __future__ import annotations
 import math
 import os
 import shutil
-from collections.abc import Iterable
+import logging
+from collections.abc import Callable, Iterable
 from typing import Any
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 
 from zeropp_strategy.config import ZeroConfig
 
-__all__ = ["ADAM_STATE_BYTES", "AUTO_FRACTION", "HEAP_MMAP_THRESHOLD_BYTES", "RUNTIME_BYTES", "MemoryPlan",
-           "auto_budget_bytes", "bound_heap", "check_memory_plan", "plan_memory"]
+__all__ = ["ACTIVATIONS_ROW", "ADAM_STATE_BYTES", "AUTO_FRACTION", "HEAP_MMAP_THRESHOLD_BYTES", "RUNTIME_BYTES",
+           "ActivationMeter", "MemoryPlan", "auto_budget_bytes", "bound_heap", "check_memory_plan", "plan_memory"]
 
 RUNTIME_BYTES = 768 * 2**20
 """Host memory of one rank before any model state: measured 540 MB RSS (360 MB anonymous)
@@ -59,6 +66,8 @@ AUTO_FRACTION = 0.9
 (``MemAvailable``, or the cgroup's limit less its usage when lower), split evenly between
 the ranks on the machine. The rest is for the page cache and the kernel."""
 GiB = 2**30
+log = logging.getLogger(__name__)
+ACTIVATIONS_ROW = "activations of the first training micro-batch (measured: tensors saved for backward)"
 
 
 def _meminfo_bytes(key: str) -> int | None:
@@ -181,6 +190,10 @@ class MemoryPlan:
         return ("use more ranks or nodes, choose smaller blocks (wrap_modules), lower the offload buffer_count or "
                 "buffer_bytes, or raise host_memory_budget_bytes if the machine has the memory")
 
+    def with_activations(self, nbytes: int) -> MemoryPlan:
+        """This plan with the activations measured by an ``ActivationMeter`` as a host row."""
+        return replace(self, host=(*self.host, (ACTIVATIONS_ROW, nbytes)))
+
     def describe(self) -> str:
         """The plan as the lines logged once at start."""
         lines = [f"zeropp memory plan for {self.params / 1e9:.2f}B parameters, per rank "
@@ -276,6 +289,69 @@ def plan_memory(root: nn.Module, blocks: list[nn.Module], config: ZeroConfig, *,
                       disk_free=free, ranks_per_node=ranks_per_node, params=_elems(params))
 
 
+class ActivationMeter:
+    """Measures the activations of ``root``'s first forward with gradients enabled.
+
+    While that forward runs, a ``saved_tensors_hooks`` pack hook sees every tensor autograd
+    keeps for backward and counts each host storage once. Parameters (leaves requiring
+    grad, and views of them such as a linear layer's transposed weight) are left out: the
+    plan has them already. Regions under activation checkpointing install their own hooks
+    and are not kept, so they are not counted either. A forward without gradients (a
+    validation sanity check) is skipped. The hooks go away after the measured forward;
+    ``on_measured(nbytes)`` then runs once."""
+
+    def __init__(self, root: nn.Module, on_measured: Callable[[int], None]) -> None:
+        self._on_measured = on_measured
+        self._hooks: Any = None
+        self._seen: set[tuple[int, int]] = set()
+        self.nbytes = 0
+        self._pre = root.register_forward_pre_hook(self._start)
+        self._post = root.register_forward_hook(self._stop, always_call=True)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        base = t._base if t._base is not None else t
+        if t.device.type == "cpu" and not (base.is_leaf and base.requires_grad):
+            storage = t.untyped_storage()
+            key = (storage.data_ptr(), storage.nbytes())
+            if key not in self._seen:
+                self._seen.add(key)
+                self.nbytes += storage.nbytes()
+        return t
+
+    def _start(self, module: nn.Module, args: Any) -> None:
+        if self._hooks is None and torch.is_grad_enabled():
+            self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+            self._hooks.__enter__()
+
+    def _stop(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._hooks is None:
+            return
+        self._hooks.__exit__(None, None, None)
+        self._hooks = None
+        self._seen.clear()
+        self.remove()
+        self._on_measured(self.nbytes)
+
+    def remove(self) -> None:
+        self._pre.remove()
+        self._post.remove()
+
+
+def _measured(engine: Any, nbytes: int) -> None:
+    """``ActivationMeter``'s report: the plan gains the row; one line, or a warning over budget."""
+    plan = engine.memory_plan.with_activations(nbytes)
+    engine.memory_plan = plan
+    line = (f"zeropp memory plan: activations of the first training micro-batch {nbytes / GiB:.2f} GiB (tensors "
+            f"saved for backward, measured); this rank's host total is {plan.host_bytes / GiB:.2f} GiB of its "
+            f"{plan.budget_bytes / GiB:.2f} GiB budget")
+    if plan.host_bytes <= plan.budget_bytes:
+        engine.info(line)
+    elif engine.rank == 0:
+        log.warning(line + ", over it: the run may be killed for memory. Fix: a smaller micro-batch, "
+                    "ZeroConfig(activation_checkpointing=True), more ranks, or a larger host_memory_budget_bytes if "
+                    "the machine has the memory")
+
+
 def check_memory_plan(engine: Any, root: nn.Module) -> MemoryPlan | None:
     """For ``engine`` (a ``ZeroEngine``), with offload and a ``host_memory_budget_bytes``:
     the plan of what this rank's host memory and the swap drives must hold, logged once; a
@@ -301,6 +377,8 @@ def check_memory_plan(engine: Any, root: nn.Module) -> MemoryPlan | None:
                              "allocating anything:\n  - " + "\n  - ".join(problems) + "\n" + plan.describe())
 
     engine.agree("checking the memory plan", refuse)
+    if engine.device.type == "cpu":  # activations are host memory too: measured at the first step
+        ActivationMeter(root, lambda nbytes: _measured(engine, nbytes))
     if cfg.offload_param.device == "nvme":
         bound_heap()  # freed buffers go back to the system instead of piling up in the heap
     return plan
