@@ -89,7 +89,8 @@ def gpt2(size: str):
     # Dropout off: each framework draws its own dropout masks, which would make the losses
     # differ for no reason of the collectives; without it every system computes the same math.
     cfg = GPT2Config(n_layer=layers, n_embd=width, n_head={"small": 4, "medium": 8}.get(size, 12), vocab_size=512,
-                     n_positions=128, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                     n_positions=128, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                     bos_token_id=0, eos_token_id=0)  # token ids inside the small vocabulary
     return GPT2LMHeadModel(cfg)
 
 

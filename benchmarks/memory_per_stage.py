@@ -37,7 +37,8 @@ class GPT(LightningModule):
         from transformers import GPT2Config, GPT2LMHeadModel
 
         torch.manual_seed(0)
-        cfg = GPT2Config(n_layer=self.layers, n_embd=self.width, n_head=4, vocab_size=512, n_positions=128)
+        cfg = GPT2Config(n_layer=self.layers, n_embd=self.width, n_head=4, vocab_size=512, n_positions=128,
+                         bos_token_id=0, eos_token_id=0)  # token ids inside the small vocabulary
         self.model = GPT2LMHeadModel(cfg)
 
     def training_step(self, batch, batch_idx):

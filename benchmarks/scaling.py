@@ -80,7 +80,7 @@ def worker(out: Path) -> None:
         def __init__(self) -> None:
             super().__init__()
             cfg = GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=512, n_positions=64, resid_pdrop=0.0,
-                             embd_pdrop=0.0, attn_pdrop=0.0)
+                             embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
             self.model = GPT2LMHeadModel(cfg)
 
         def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201

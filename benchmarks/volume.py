@@ -324,10 +324,11 @@ def _load_note(cells: dict, rounds: int) -> str:
     loads = [x for c in cells.values() for x in c.get("load_avg_1min_at_start", [])]
     if not loads:
         return ""
-    return (f" **The machine was loaded**: its 2 cores were shared with other jobs throughout (1-minute "
-            f"load average {min(loads):.1f}-{max(loads):.1f} at the start of the runs, against 4 ranks of our "
-            f"own), so absolute times are slow and noisy; each cell ran {rounds} times, in rounds (every cell "
-            "once per round), and the median and the range of the runs are shown.")
+    return (f" The 1-minute load average at the start of the runs was {min(loads):.1f}-{max(loads):.1f}: our "
+            "own 4 ranks on 2 cores account for about 4 of it, and what is above that is the previous cell's "
+            "processes still exiting or other jobs, so absolute times are noisy; each cell ran "
+            f"{rounds} times, in rounds (every cell once per round), and the median and the range of the runs "
+            "are shown.")
 
 
 def _runs(cell: dict) -> str:

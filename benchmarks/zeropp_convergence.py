@@ -72,7 +72,8 @@ class GPT(LightningModule):
             from transformers import GPT2Config, GPT2LMHeadModel
 
             torch.manual_seed(self.seed)
-            self.model = GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=512, n_positions=128))
+            self.model = GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=512, n_positions=128,
+                                                      bos_token_id=0, eos_token_id=0))
 
     def training_step(self, batch, batch_idx):
         (ids,) = batch  # (B, 128)
