@@ -154,14 +154,27 @@ def scenario_meta_init(rank):
 
     from tests._models import MetaInitModule
 
+    from lightning.pytorch import Callback
+
+    from tests._models import Net
+    from zeropp_strategy.engine.state import full_model_state
+
+    class Initial(Callback):
+        def on_train_start(self, trainer, pl_module):  # noqa: ANN001
+            self.state = {k.removeprefix("net."): v for k, v in full_model_state(pl_module).items()}
+
+    seed_everything(0)
+    eager = Net().state_dict()  # the same seed, no sharding, no meta device
     out = {}
     for stage in STAGES:
         seed_everything(0)
         m = MetaInitModule()
-        t = _trainer(stage, max_steps=4)
+        initial = Initial()
+        t = _trainer(stage, max_steps=4, callbacks=[initial])
         t.fit(m)
         mem = t.strategy.memory_stats()
         out[stage] = {
+            "init_diff": max((initial.state[k] - v).abs().max().item() for k, v in eager.items()),
             "meta_left": any(p.is_meta for p in m.parameters()),
             "finite": bool(torch.isfinite(t.callback_metrics["train_loss"])),
             "param_bytes": mem.param_bytes,
@@ -384,6 +397,9 @@ def test_meta_device_init_is_materialized_sharded(runs):
     for res in _ok(runs, "scenario_meta_init"):
         for stage, r in res.items():
             assert not r["meta_left"] and r["finite"], (stage, r)
+            # Each rank draws whole tensors and keeps its shard ([Note: initialization on a CPU
+            # mesh]): the weights of the same model initialized eagerly from the same seed.
+            assert r["init_diff"] == 0.0, (stage, r)
             if stage != "zeropp_stage_1":  # stage 1 replicates parameters by design
                 assert r["param_bytes"] <= r["full_bytes"] * 0.65, (stage, r)  # ~1/2 at 2 ranks
 

@@ -342,12 +342,43 @@ def _initialize(modules: Iterable[nn.Module], hf_init: dict[int, Callable[[nn.Mo
             continue
         # Inside a Hugging Face model its own init wins: nn.Embedding.reset_parameters
         # draws N(0, 1) where the model wants N(0, initializer_range).
-        if id(m) in hf_init:
-            hf_init[id(m)](m)
-        elif callable(getattr(m, "reset_parameters", None)):
-            m.reset_parameters()
-        else:
-            missing.add(type(m).__name__)
+        with _whole_tensors(m):
+            if id(m) in hf_init:
+                hf_init[id(m)](m)
+            elif callable(getattr(m, "reset_parameters", None)):
+                m.reset_parameters()
+            else:
+                missing.add(type(m).__name__)
+
+
+@contextmanager
+def _whole_tensors(m: nn.Module) -> Iterator[None]:
+    """On a CPU mesh, ``m``'s sharded parameters are whole tensors while its init runs.
+
+    [Note: initialization on a CPU mesh]
+    DTensor's random ops draw each shard at its offset of the whole tensor only on
+    accelerator meshes (its RNG tracker); on a CPU mesh every rank draws its shard from its
+    own generator, so with the same seed every rank drew the same values, and a sharded
+    weight's row blocks came out identical (a Linear(4, 8) on 2 ranks: rows 4-7 equal rows
+    0-3), with a warning from DTensor. Here each rank draws the whole tensor, as one
+    process would, and keeps its shard: the same weights as the model initialized without
+    sharding, from the same seed. It costs one module's whole parameters at a time."""
+    from torch.distributed.tensor import distribute_tensor
+
+    swapped = []
+    for name, p in list(m.named_parameters(recurse=False)):
+        if isinstance(p, DTensor) and p.device_mesh.device_type == "cpu":
+            whole = nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
+            m._parameters[name] = whole
+            swapped.append((name, p, whole))
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for name, p, whole in swapped:
+                m._parameters[name] = p
+                shard = distribute_tensor(whole.detach(), p.device_mesh, p.placements, src_data_rank=None)
+                p.to_local().copy_(shard.to_local())
 
 
 def _own_modules(group_root: nn.Module) -> list[nn.Module]:
