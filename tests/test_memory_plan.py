@@ -143,11 +143,11 @@ def test_measured_activations_join_the_plan_and_warn_over_budget(tmp_path, caplo
     plan = memory_plan.MemoryPlan(budget_bytes=GiB, budget_source="test", host=(("runtime", GiB // 2),), disk=())
     lines = []
     engine = type("E", (), {"memory_plan": plan, "rank": 0, "info": staticmethod(lines.append)})()
-    memory_plan._measured(engine, GiB // 4)
+    memory_plan._measured(engine, plan, GiB // 4)
     assert engine.memory_plan.host[-1] == (memory_plan.ACTIVATIONS_ROW, GiB // 4)
     assert "0.25 GiB" in lines[0] and "0.75 GiB of its 1.00 GiB budget" in lines[0]
     with caplog.at_level("WARNING", logger=memory_plan.__name__):
-        memory_plan._measured(engine, GiB)
+        memory_plan._measured(engine, plan, GiB)
     assert "over it" in caplog.text and "Fix:" in caplog.text and len(lines) == 1
 
 

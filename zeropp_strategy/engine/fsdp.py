@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.utils import _apply_to_tensors
 from torch.utils._pytree import tree_leaves
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -363,8 +363,6 @@ def _whole_tensors(m: nn.Module) -> Iterator[None]:
     0-3), with a warning from DTensor. Here each rank draws the whole tensor, as one
     process would, and keeps its shard: the same weights as the model initialized without
     sharding, from the same seed. It costs one module's whole parameters at a time."""
-    from torch.distributed.tensor import distribute_tensor
-
     swapped = []
     for name, p in list(m.named_parameters(recurse=False)):
         if isinstance(p, DTensor) and p.device_mesh.device_type == "cpu":

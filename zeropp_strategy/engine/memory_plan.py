@@ -337,10 +337,13 @@ class ActivationMeter:
         self._post.remove()
 
 
-def _measured(engine: Any, nbytes: int) -> None:
-    """``ActivationMeter``'s report: the plan gains the row; one line, or a warning over budget."""
-    plan = engine.memory_plan.with_activations(nbytes)
-    engine.memory_plan = plan
+def _measured(engine: Any, planned: MemoryPlan, nbytes: int) -> None:
+    """``ActivationMeter``'s report for the model ``planned`` was made for: the plan gains the
+    row (kept as ``engine.memory_plan`` while that is still this model's); one line, or a
+    warning over budget."""
+    plan = planned.with_activations(nbytes)
+    if engine.memory_plan is planned:
+        engine.memory_plan = plan
     line = (f"zeropp memory plan: activations of the first training micro-batch {nbytes / GiB:.2f} GiB (tensors "
             f"saved for backward, measured); this rank's host total is {plan.host_bytes / GiB:.2f} GiB of its "
             f"{plan.budget_bytes / GiB:.2f} GiB budget")
@@ -378,7 +381,7 @@ def check_memory_plan(engine: Any, root: nn.Module) -> MemoryPlan | None:
 
     engine.agree("checking the memory plan", refuse)
     if engine.device.type == "cpu":  # activations are host memory too: measured at the first step
-        ActivationMeter(root, lambda nbytes: _measured(engine, nbytes))
+        ActivationMeter(root, lambda nbytes: _measured(engine, plan, nbytes))
     if cfg.offload_param.device == "nvme":
         bound_heap()  # freed buffers go back to the system instead of piling up in the heap
     return plan
