@@ -40,6 +40,7 @@ Measured per cell (rank 0 writes ``--out`` as JSON):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -91,7 +92,11 @@ def gpt2(size: str):
     cfg = GPT2Config(n_layer=layers, n_embd=width, n_head={"small": 4, "medium": 8}.get(size, 12), vocab_size=512,
                      n_positions=128, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                      bos_token_id=0, eos_token_id=0)  # token ids inside the small vocabulary
-    return GPT2LMHeadModel(cfg)
+    model = GPT2LMHeadModel(cfg)
+    # transformers picks the loss from the class name, finds no "ForCausalLM" in "GPT2LMHeadModel"
+    # and warns on the first loss; the default it falls back to is this one, named here
+    model.loss_type = "ForCausalLM"
+    return model
 
 
 def loader(batch: int) -> DataLoader:
@@ -252,6 +257,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=4, help="steps left out of the step-time median")
     parser.add_argument("--batch", type=int, default=2, help="micro-batch per rank (sequences of 128)")
     parser.add_argument("--precision", choices=["bf16-mixed", "32-true"], default="bf16-mixed")
+    parser.add_argument("--bf16-matmul", choices=["native", "fp32"], default="native",
+                        help="fp32: run bf16 matmuls in fp32 and round to bf16 (benchmarks/bf16_matmul.py), a "
+                             "stand-in for bf16 hardware on a CPU without it; every system alike")
     parser.add_argument("--simulated-nodes", type=int, default=0, help="ours only: split one machine's ranks")
     parser.add_argument("--overlap-buckets", type=int, default=None,
                         help="stage 1 only, an experiment: cut the post-step gather into about this many buckets "
@@ -265,10 +273,16 @@ def main() -> None:
 
         stage1.OVERLAP_BUCKETS = args.overlap_buckets
     meter = Meter()
-    if args.system.startswith("deepspeed"):
-        run_deepspeed(args, meter)
-    else:
-        run_lightning(args, meter)
+    mode = contextlib.nullcontext()
+    if args.bf16_matmul == "fp32":
+        from benchmarks.bf16_matmul import Fp32Matmuls
+
+        mode = Fp32Matmuls()
+    with mode:  # thread-local: covers the training loop's forward and backward on this thread
+        if args.system.startswith("deepspeed"):
+            run_deepspeed(args, meter)
+        else:
+            run_lightning(args, meter)
     result = meter.result(args.warmup)
     # Every rank's RSS and ledger bytes; the link carries the sum of what all ranks send.
     per_rank = [None] * dist.get_world_size()
@@ -283,6 +297,7 @@ def main() -> None:
         system=args.system,
         size=args.size,
         precision=args.precision,
+        bf16_matmul=args.bf16_matmul,
         world_size=len(per_rank),
         peak_rss_bytes_per_rank=[r for r, _ in per_rank],
         ledger_inter_bytes_per_step_by_kind={k: sum(p[1][k] for p in per_rank) for k in kinds},

@@ -83,6 +83,8 @@ def run_cell(cluster, system: str, args: argparse.Namespace) -> dict:  # noqa: A
         cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_train.py"), "--system", system,
                "--size", args.size, "--steps", str(args.steps), "--warmup", str(args.warmup),
                "--batch", str(args.batch), "--precision", args.precision, "--out", str(cell_json)]
+        if getattr(args, "bf16_matmul", "native") != "native":
+            cmd += ["--bf16-matmul", args.bf16_matmul]
         if getattr(args, "overlap_buckets", None) is not None:
             cmd += ["--overlap-buckets", str(args.overlap_buckets)]
         # PYTHONPATH first: --package-root runs another checkout's zeropp_strategy (a "before").

@@ -52,7 +52,7 @@ from benchmarks.run import run_cell  # noqa: E402
 CELLS = {
     "200mbit": ["ddp", "zeropp_stage_1", "zeropp_stage_2", "zeropp_stage_3", "zeropp_stage_3_bf16", "zeropp",
                 "deepspeed_zero3"],
-    "unlimited": ["zeropp_stage_3", "zeropp"],
+    "unlimited": ["zeropp_stage_3", "zeropp", "deepspeed_zero3"],
 }
 MB = 1e6
 # --part stage1 / sizes: (rate, sizes, systems); "@before" would run the --before-root package,
@@ -63,6 +63,7 @@ PARTS = {
     "sizes": ("1gbit", ["small", "medium"], ["ddp", "zeropp_stage_3", "zeropp", "deepspeed_zero3"]),
 }
 PART_FILES = {"stage1": "volume_stage1_async.json", "sizes": "volume_sizes_1gbit.json"}
+SUITE_FILES = {"fp32": "volume_bf16_fp32mm.json", "native": "volume_bf16.json"}  # by --bf16-matmul
 
 
 def formula_bytes(system: str, params: int, world: int = 4, nodes: int = 2) -> float | None:
@@ -87,26 +88,47 @@ def formula_bytes(system: str, params: int, world: int = 4, nodes: int = 2) -> f
 
 
 def run(args: argparse.Namespace) -> dict:
+    """The suite's cells in rounds (every cell once per round, ``--repeat`` rounds)."""
     from benchmarks.simcluster import SimCluster
 
-    results = json.loads(args.out.read_text()) if args.out.exists() else {}
-    for rate, systems in CELLS.items():
-        with SimCluster(rate=rate) as cluster:
-            for system in systems:
-                runs = [run_cell(cluster, system, args) for _ in range(args.repeat)]
-                ok = [c for c in runs if "step_s" in c]
-                cell = dict(ok[0] if ok else runs[0])
-                if ok:
-                    cell["step_s_runs"] = [c["step_s"] for c in ok]
-                    cell["step_s"] = statistics.median(cell["step_s_runs"])
-                    cell["veth_bytes_per_step"] = statistics.median(c["veth_bytes_per_step"] or 0 for c in ok)
-                results[f"{rate}/{system}"] = cell
-                args.out.parent.mkdir(parents=True, exist_ok=True)
-                args.out.write_text(json.dumps(results, indent=1))
-                print(f"{rate}/{system}: " + (f"{cell['step_s']:.3f} s/step {cell['step_s_runs']}, "
-                      f"{cell['veth_bytes_per_step'] / MB:.2f} MB/step" if ok else f"FAILED {cell.get('error')}"),
-                      flush=True)
+    runs: dict[str, list[dict]] = {f"{rate}/{system}": [] for rate, systems in CELLS.items() for system in systems}
+    meta = {**_meta(args), "rates": list(CELLS)}
+    if args.append and args.out.exists():  # more rounds on top of an earlier invocation's
+        earlier = json.loads(args.out.read_text())
+        for key, cell_runs in earlier.get("runs", {}).items():
+            runs.setdefault(key, []).extend(cell_runs)
+        meta = {**earlier["meta"], "appended": [*earlier["meta"].get("appended", []), _meta(args)]}
+    results: dict = {}
+    for round_ in range(args.repeat):
+        for rate, systems in CELLS.items():
+            if args.rates and rate not in args.rates:
+                continue
+            with SimCluster(rate=rate) as cluster:
+                for system in systems:
+                    key = f"{rate}/{system}"
+                    load = os.getloadavg()[0]
+                    cell = run_cell(cluster, system, args)
+                    cell["load_avg_1min_at_start"] = load
+                    runs[key].append({k: cell.get(k) for k in ("step_s", "step_s_all", "veth_bytes_per_step", "loss",
+                                                                "load_avg_1min_at_start", "error") if k in cell})
+                    print(f"round {round_ + 1}/{args.repeat} {key}: " + (
+                          f"{cell['step_s']:.3f} s/step, {cell['veth_bytes_per_step'] / MB:.2f} MB/step (load "
+                          f"{load:.1f})" if "step_s" in cell else f"FAILED {cell.get('error')}"), flush=True)
+                    results = {"meta": meta, "cells": _summarize(runs, {}), "runs": runs}
+                    args.out.parent.mkdir(parents=True, exist_ok=True)
+                    args.out.write_text(json.dumps(results, indent=1))
     return results
+
+
+def _meta(args: argparse.Namespace) -> dict:
+    return {
+        "command": _command(sys.argv[1:]),
+        "date": datetime.date.today().isoformat(),
+        "commit": _commit(),
+        "hardware": f"{platform.machine()} VM, {os.cpu_count()} CPU cores, no GPU",
+        "steps": args.steps, "warmup": args.warmup, "batch": args.batch, "precision": args.precision,
+        "repeat": args.repeat, "bf16_matmul": args.bf16_matmul, "cpu_capability": _cpu_capability(), "matmul_ms": _matmul_ms(),
+    }
 
 
 def run_part(args: argparse.Namespace) -> dict:
@@ -123,14 +145,7 @@ def run_part(args: argparse.Namespace) -> dict:
             runs.setdefault(key, []).extend(earlier)
     skipped = {key: "deepspeed is not installed (pip install -e '.[bench]')"
                for key, (_, system) in cells.items() if system.startswith("deepspeed") and not has_ds}
-    meta = {
-        "command": _command(sys.argv[1:]),
-        "date": datetime.date.today().isoformat(),
-        "commit": _commit(),
-        "hardware": f"{platform.machine()} VM, {os.cpu_count()} CPU cores, no GPU",
-        "steps": args.steps, "warmup": args.warmup, "batch": args.batch, "rate": rate, "precision": args.precision,
-        "cpu_capability": _cpu_capability(), "matmul_ms": _matmul_ms(),
-    }
+    meta = {**_meta(args), "rate": rate}
     out.parent.mkdir(parents=True, exist_ok=True)
     results: dict = {}
     with SimCluster(rate=rate) as cluster:
@@ -260,17 +275,62 @@ def _cell(results: dict, key: str) -> dict | None:
     return c if c and "step_s" in c else None
 
 
-def render(results: dict, docs: Path, command: str, params: int) -> str:
+EARLIER = {"date": "2026-11-23", "commit": "332d460"}  # volume_bf16.json predates the JSON's "meta"
+
+
+def render(results: dict, docs: Path, command: str, params: int, earlier: dict | None = None) -> str:
+    """The page: ``results`` (the newest suite), ``earlier`` (an older suite's JSON), the parts, the timeline."""
     lines = ["# Communication volume and overlap, bf16-mixed (issue 18)", "",
-             "<!-- generated by benchmarks/volume.py; edit the script, not this file -->", "",
-             f"Command: `{command}` (as root). Hardware: {platform.machine()} VM, 2 CPU cores, no GPU; all 4 "
-             "ranks (2 network namespaces x 2 ranks, gloo) share the 2 cores. GPT-2 4 x 256 "
-             f"({params / 1e6:.2f}M parameters), micro-batch 4 x 128 per rank, AdamW, `precision=\"bf16-mixed\"`; "
-             "DeepSpeed ZeRO-3 in its bf16 mode (bf16 gradient reduce). Cross-node bytes: the veth's "
-             "TX+RX kernel counters per step (payload plus TCP/IP headers). Step time: median of the steps "
-             "after the warm-up, then the median over runs; the range of the runs is shown.", "",
-             "| cell | step s (runs) | cross-node MB/step (veth) | vs ddp | formula MB | veth / formula |",
-             "|---|---|---:|---:|---:|---:|"]
+             "<!-- generated by benchmarks/volume.py; edit the script, not this file -->", ""]
+    for data in (results, earlier):
+        if data:
+            lines += _suite_lines(data, command, params)
+    lines += render_parts(docs_results_dir(docs))
+    lines += ["", TIMELINE]
+    text = "\n".join(lines) + "\n"
+    docs.parent.mkdir(parents=True, exist_ok=True)
+    docs.write_text(text)
+    return text
+
+
+def _suite_lines(data: dict, command: str, params: int) -> list[str]:
+    setting = (f"GPT-2 4 x 256 ({params / 1e6:.2f}M parameters), micro-batch 4 x 128 per rank, AdamW, "
+               "`precision=\"bf16-mixed\"`; DeepSpeed ZeRO-3 in its bf16 mode (bf16 gradient reduce). Cross-node "
+               "bytes: the veth's TX+RX kernel counters per step (payload plus TCP/IP headers). Step time: median of "
+               "the steps after the warm-up, then the median over runs; the range of the runs is shown.")
+    if "meta" in data:
+        meta, results = data["meta"], data["cells"]
+        rounds = _rounds(data)
+        mm = meta["matmul_ms"]
+        then = "".join(f" Then `{m['command']} --repeat {m['repeat']}` ({m['date']}, commit {m['commit']}), which "
+                       "added rounds of those cells to the same JSON." for m in meta.get("appended", []))
+        lines = [f"## The suite on this project's CPU, bf16 matmuls at fp32 speed ({meta['date']})", "",
+                 f"Command: `{meta['command']} --repeat {meta.get('repeat', rounds)}` (as root), {meta['date']}, "
+                 f"commit {meta['commit']}.{then} "
+                 f"Hardware: {meta['hardware']}; all 4 ranks (2 network namespaces x 2 ranks, gloo) share the "
+                 f"cores. {setting}" + _load_note(results, rounds), ""]
+        if meta.get("bf16_matmul") == "fp32":
+            lines += [f"`--bf16-matmul fp32`: this CPU (torch capability {meta['cpu_capability']}, no AVX-512 BF16 "
+                      f"or AMX) has no bf16 matmul instructions; a (512 x 256) @ (256 x 1024) takes {mm['bf16']:.0f} "
+                      f"ms in bf16 against {mm['fp32']:.1f} ms in fp32 (one thread, measured at the start of the run), "
+                      "which makes a bf16-mixed step all compute. Every system therefore ran with "
+                      "`benchmarks/bf16_matmul.py`'s dispatch mode, which computes each bf16 matmul in fp32 and "
+                      "rounds it to bf16, as bf16 hardware does. Parameters, activations, gradients and every "
+                      "collective keep their bf16-mixed dtypes, so the bytes on the wire are a bf16-mixed run's; "
+                      "only the matmuls run at fp32 speed. The casts and the mode's Python call per operator make "
+                      "a step about 1.6x an fp32 one (one process: 0.31 s against 0.19 s).", ""]
+    else:
+        results = data
+        lines = [f"## The suite on a CPU with native bf16 matmuls ({EARLIER['date']}, commit {EARLIER['commit']})",
+                 "",
+                 f"Command: `{command}` (as root; today `{command} --bf16-matmul native`). Hardware: x86_64 VM, 2 "
+                 "CPU cores, no GPU; all 4 "
+                 f"ranks (2 network namespaces x 2 ranks, gloo) share the 2 cores. {setting} About 1.1 s per "
+                 "bf16-mixed ddp step: this run's CPU multiplied bf16 natively (the machine of the sections "
+                 "above and below does not), and the code was older (commit above); compare ratios within a "
+                 "section only.", ""]
+    lines += ["| cell | step s (runs) | cross-node MB/step (veth) | vs ddp | formula MB | veth / formula |",
+              "|---|---|---:|---:|---:|---:|"]
     ddp = _cell(results, "200mbit/ddp")
     for key, cell in results.items():
         if "step_s" not in cell:
@@ -284,7 +344,7 @@ def render(results: dict, docs: Path, command: str, params: int) -> str:
         lines.append(f"| {key} | {cell['step_s']:.3f} ({runs}) | {veth / MB:.2f} | {vs} | "
                      f"{f / MB:.2f} | {veth / f:.2f} |" if f else
                      f"| {key} | {cell['step_s']:.3f} ({runs}) | {veth / MB:.2f} | {vs} | - | - |")
-    lines += ["", "## Targets", "", "| target | measured | met |", "|---|---:|:---:|"]
+    lines += ["", "Targets:", "", "| target | measured | met |", "|---|---:|:---:|"]
 
     def ratio(a: str, b: str, field: str = "step_s") -> float | None:
         x, y = _cell(results, a), _cell(results, b)
@@ -308,12 +368,30 @@ def render(results: dict, docs: Path, command: str, params: int) -> str:
             within = abs(c["veth_bytes_per_step"] / f - 1) <= 0.10
             lines.append(f"| cross-node bytes: {s} within 10% of its formula | "
                          f"{c['veth_bytes_per_step'] / f:.2f}x | {'yes' if within else 'no'} |")
-    lines += render_parts(docs_results_dir(docs))
-    lines += ["", TIMELINE]
-    text = "\n".join(lines) + "\n"
-    docs.parent.mkdir(parents=True, exist_ok=True)
-    docs.write_text(text)
-    return text
+    if "runs" in data:
+        lines += _paired_lines(data["runs"])
+    return lines + [""]
+
+
+PAIRS = [("200mbit/zeropp", "200mbit/deepspeed_zero3"), ("200mbit/zeropp", "unlimited/zeropp"),
+         ("unlimited/zeropp", "unlimited/zeropp_stage_3"), ("unlimited/zeropp", "unlimited/deepspeed_zero3"),
+         ("200mbit/deepspeed_zero3", "unlimited/deepspeed_zero3")]
+
+
+def _paired_lines(runs: dict[str, list[dict]]) -> list[str]:
+    """Each step-time ratio round by round: the two cells of a round ran minutes apart, under one load."""
+    rows = []
+    for a, b in PAIRS:
+        ratios = [x["step_s"] / y["step_s"] for x, y in zip(runs.get(a, []), runs.get(b, []))
+                  if "step_s" in x and "step_s" in y]
+        if ratios:
+            rows.append(f"| {a} / {b} | {statistics.median(ratios):.2f}x | "
+                        f"{', '.join(f'{r:.2f}' for r in ratios)} |")
+    if not rows:
+        return []
+    return ["", "The same step-time ratios taken round by round (each round runs every cell once, so the two "
+            "cells of a ratio ran minutes apart under the same load), then their median:", "",
+            "| ratio | median | per round |", "|---|---:|---|", *rows]
 
 
 def docs_results_dir(docs: Path) -> Path:  # noqa: ARG001 - the parts' JSON always lives here
@@ -374,8 +452,9 @@ def render_parts(results_dir: Path) -> list[str]:
                       f"AVX-512 BF16 or AMX) emulates bf16 matmuls: a (512 x 256) @ (256 x 1024) takes "
                       f"{mm['bf16']:.0f} ms in bf16 against {mm['fp32']:.1f} ms in fp32 (one thread, measured at "
                       "the start of this part), so a bf16-mixed step of the small model takes about 10 s, all "
-                      "compute, and no link speed shows. The suite's tables above (about 1.1 s per bf16-mixed step "
-                      "for ddp) cannot have come from such a CPU: compare ratios within a section only.", ""]
+                      "compute, and no link speed shows. (The suite's first section runs bf16-mixed with its matmuls at "
+                      "fp32 speed instead; its section on a CPU with native bf16 ran on another machine.) Compare "
+                      "ratios within a section only.", ""]
         if part == "stage1":
             lines += [
                 "`zeropp_stage_1`: the default, `step()` waits for every bucket's gather (one bucket: the "
@@ -427,7 +506,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--package-root", type=Path, default=None, help="run this checkout's zeropp_strategy")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "volume_bf16.json")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="the suite's JSON; default results/volume_bf16_fp32mm.json (--bf16-matmul fp32) or "
+                             "volume_bf16.json (native)")
     parser.add_argument("--docs", type=Path, default=ROOT / "docs" / "benchmarks_volume.md")
     parser.add_argument("--render-only", action="store_true")
     parser.add_argument("--part", choices=["suite", *PARTS], default="suite",
@@ -435,19 +516,33 @@ def main() -> None:
     parser.add_argument("--precision", choices=["bf16-mixed", "32-true"], default="bf16-mixed",
                         help="--part stage1 / sizes only (the suite is bf16-mixed): 32-true where the CPU has no "
                              "fast bf16 matmul (see docs/benchmarks_volume.md)")
+    parser.add_argument("--bf16-matmul", choices=["native", "fp32"], default="fp32",
+                        help="fp32 (default): bf16 matmuls computed in fp32 and rounded, a stand-in for bf16 "
+                             "hardware on a CPU without it (benchmarks/bf16_matmul.py); native: torch's own kernel")
     parser.add_argument("--append", action="store_true",
-                        help="--part stage1 / sizes: add this invocation's rounds to the runs already in its JSON")
+                        help="add this invocation's rounds to the runs already in its JSON")
+    parser.add_argument("--rates", nargs="+", choices=list(CELLS), default=None,
+                        help="the suite: run only these rates' cells (with --append: more rounds of them)")
     parser.add_argument("--before-root", type=Path, default=None,
                         help="--part stage1: a folder holding the zeropp_strategy package to compare against")
     args = parser.parse_args()
     args.size, args.nproc_per_node, args.cell_timeout_s = "small", 2, 900
     if args.part == "suite":
         args.precision = "bf16-mixed"
-    if not args.render_only and args.part != "suite":
+    results_dir = ROOT / "benchmarks" / "results"
+    args.out = args.out or results_dir / SUITE_FILES[args.bf16_matmul]
+    earlier_file = results_dir / SUITE_FILES["native"]
+    if args.part != "suite" and not args.render_only:
         run_part(args)
-    results = json.loads(args.out.read_text()) if args.render_only or args.part != "suite" else run(args)
-    print(render(results, args.docs, "python benchmarks/volume.py", gpt2_params()))
-
+    if args.part == "suite" and not args.render_only:
+        newest = run(args)
+    else:
+        newest_file = results_dir / SUITE_FILES["fp32"]
+        newest = json.loads(newest_file.read_text()) if newest_file.exists() else {}
+    earlier = None
+    if earlier_file.exists() and args.out.resolve() != earlier_file.resolve():
+        earlier = json.loads(earlier_file.read_text())
+    print(render(newest, args.docs, "python benchmarks/volume.py", gpt2_params(), earlier=earlier))
 
 if __name__ == "__main__":
     main()

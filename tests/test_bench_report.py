@@ -72,3 +72,59 @@ def test_volume_page_checks_the_issue_targets(tmp_path):
     assert rows["zeropp at 200 Mbit/s <= 1.15 x its unlimited step"].endswith("| 1.11x | yes |")
     assert rows["unlimited: zeropp <= 1.05 x zeropp_stage_3"].endswith("| 1.02x | yes |")
     assert rows["200 Mbit/s: zeropp_stage_3_bf16 step <= 1.0 x DeepSpeed ZeRO-3"].endswith("| - | - |")
+
+
+def test_volume_page_renders_a_suite_with_its_meta_and_the_earlier_one(tmp_path):
+    """The newest suite (rounds, meta, --bf16-matmul fp32) above the earlier flat one."""
+    from benchmarks import volume
+
+    P = 3_000_000
+    flat = {"200mbit/ddp": _cell(1.0, volume.formula_bytes("ddp", P), 3.9),
+            "200mbit/zeropp": _cell(0.5, 5e6, 3.9), "200mbit/deepspeed_zero3": _cell(1.5, 3e7, 3.9)}
+    runs = {"200mbit/ddp": [{"step_s": s, "veth_bytes_per_step": 4e7, "loss": 3.9, "load_avg_1min_at_start": 4.0}
+                            for s in (2.0, 1.8, 2.2)],
+            "200mbit/zeropp": [{"step_s": s, "veth_bytes_per_step": 5e6, "loss": 3.9, "load_avg_1min_at_start": 4.5}
+                               for s in (0.6, 0.7, 0.65)],
+            "200mbit/deepspeed_zero3": [{"error": "boom"}]}
+    meta = {"command": "python benchmarks/volume.py", "date": "2026-11-25", "commit": "abc1234",
+            "hardware": "x86_64 VM, 2 CPU cores, no GPU", "steps": 16, "warmup": 4, "batch": 4,
+            "precision": "bf16-mixed", "bf16_matmul": "fp32", "cpu_capability": "AVX2",
+            "matmul_ms": {"fp32": 3.0, "bf16": 230.0}}
+    newest = {"meta": meta, "cells": volume._summarize(runs, {}), "runs": runs}
+    text = volume.render(newest, tmp_path / "v.md", "python benchmarks/volume.py", P, earlier=flat)
+    first, second = text.index("bf16 matmuls at fp32 speed (2026-11-25)"), text.index("native bf16 matmuls")
+    assert first < second
+    assert "--repeat 3` (as root), 2026-11-25, commit abc1234" in text and "230 ms in bf16" in text
+    assert "| 200mbit/ddp | 2.000 (2.000, 1.800, 2.200) |" in text
+    assert "| 200mbit/deepspeed_zero3 | failed: boom |" in text
+    # both suites carry their own targets: the newest misses its DeepSpeed ratio (failed cell), the earlier meets it
+    assert text.count("| 200 Mbit/s: zeropp step <= 0.5 x DeepSpeed ZeRO-3 | - | - |") == 1
+    assert text.count("| 200 Mbit/s: zeropp step <= 0.5 x DeepSpeed ZeRO-3 | 0.33x | yes |") == 1
+
+
+def test_bf16_matmul_stand_in_is_fp32_math_rounded_to_bf16():
+    """benchmarks/bf16_matmul.py: every matmul with a bf16 operand (forward and backward, under
+    autocast too) returns bf16 holding the fp32 product rounded once; other ops keep bf16."""
+    import torch
+
+    from benchmarks.bf16_matmul import Fp32Matmuls
+
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(64, 96, generator=g).bfloat16(), torch.randn(96, 32, generator=g).bfloat16()
+    ref = (a.float() @ b.float()).bfloat16()
+    with Fp32Matmuls():
+        out = a @ b
+        bias = torch.addmm(torch.zeros(32, dtype=torch.bfloat16), a, b)
+        batched = torch.bmm(a[None], b[None])[0]
+        other = a + a  # not a matmul: untouched
+    assert out.dtype == torch.bfloat16 and torch.equal(out, ref)
+    assert torch.equal(bias, ref) and torch.equal(batched, ref) and other.dtype == torch.bfloat16
+    w = torch.randn(96, 32, generator=g, requires_grad=True)
+    x = torch.randn(64, 96, generator=g)
+    with Fp32Matmuls():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = x @ w
+        assert y.dtype == torch.bfloat16
+        assert torch.equal(y, (x.bfloat16().float() @ w.bfloat16().float()).bfloat16())
+        y.float().sum().backward()
+    assert w.grad is not None and torch.isfinite(w.grad).all()
