@@ -275,10 +275,10 @@ def main() -> None:
     meter = Meter()
     mode = contextlib.nullcontext()
     if args.bf16_matmul == "fp32":
-        from benchmarks.bf16_matmul import Fp32Matmuls
+        from benchmarks.bf16_matmul import fp32_matmuls
 
-        mode = Fp32Matmuls()
-    with mode:  # thread-local: covers the training loop's forward and backward on this thread
+        mode = fp32_matmuls()
+    with mode:
         if args.system.startswith("deepspeed"):
             run_deepspeed(args, meter)
         else:

@@ -82,6 +82,7 @@ def worker(out: Path) -> None:
             cfg = GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=512, n_positions=64, resid_pdrop=0.0,
                              embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
             self.model = GPT2LMHeadModel(cfg)
+            self.model.loss_type = "ForCausalLM"  # the loss it defaults to, named: no warning (bench_train.gpt2)
 
         def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
             return self.model(input_ids=batch, labels=batch).loss

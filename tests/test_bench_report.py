@@ -103,28 +103,37 @@ def test_volume_page_renders_a_suite_with_its_meta_and_the_earlier_one(tmp_path)
 
 
 def test_bf16_matmul_stand_in_is_fp32_math_rounded_to_bf16():
-    """benchmarks/bf16_matmul.py: every matmul with a bf16 operand (forward and backward, under
-    autocast too) returns bf16 holding the fp32 product rounded once; other ops keep bf16."""
+    """benchmarks/bf16_matmul.py: inside fp32_matmuls() a matmul with a bf16 operand, or under
+    autocast, returns bf16 holding the fp32 product of the bf16-rounded operands, forward and
+    backward; fp32 math outside autocast and other ops are untouched; the patch is undone."""
     import torch
+    import torch.nn.functional as F
 
-    from benchmarks.bf16_matmul import Fp32Matmuls
+    from benchmarks.bf16_matmul import fp32_matmuls
 
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(64, 96, generator=g).bfloat16(), torch.randn(96, 32, generator=g).bfloat16()
     ref = (a.float() @ b.float()).bfloat16()
-    with Fp32Matmuls():
-        out = a @ b
+    original = torch.addmm
+    with fp32_matmuls():
+        assert torch.addmm is not original
+        out = torch.matmul(a, b)
         bias = torch.addmm(torch.zeros(32, dtype=torch.bfloat16), a, b)
         batched = torch.bmm(a[None], b[None])[0]
-        other = a + a  # not a matmul: untouched
-    assert out.dtype == torch.bfloat16 and torch.equal(out, ref)
-    assert torch.equal(bias, ref) and torch.equal(batched, ref) and other.dtype == torch.bfloat16
+        linear = F.linear(a, b.t())
+        fp32 = torch.mm(a.float(), b.float())
+    assert torch.addmm is original
+    for got in (out, bias, batched, linear):
+        assert got.dtype == torch.bfloat16 and torch.equal(got, ref)
+    assert fp32.dtype == torch.float32 and torch.equal(fp32, a.float() @ b.float())
+
     w = torch.randn(96, 32, generator=g, requires_grad=True)
-    x = torch.randn(64, 96, generator=g)
-    with Fp32Matmuls():
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            y = x @ w
-        assert y.dtype == torch.bfloat16
-        assert torch.equal(y, (x.bfloat16().float() @ w.bfloat16().float()).bfloat16())
-        y.float().sum().backward()
-    assert w.grad is not None and torch.isfinite(w.grad).all()
+    x = torch.randn(64, 96, generator=g, requires_grad=True)
+    with fp32_matmuls(), torch.autocast("cpu", dtype=torch.bfloat16):
+        y = torch.matmul(x, w)
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y, (x.detach().bfloat16().float() @ w.detach().bfloat16().float()).bfloat16())
+    y.float().sum().backward()
+    # d(sum)/dx = ones @ w^T, computed in fp32 from bf16-rounded w, rounded to bf16 on its way back
+    expect = (torch.ones(64, 32) @ w.detach().bfloat16().float().t()).bfloat16().float()
+    assert torch.equal(x.grad, expect)

@@ -137,24 +137,26 @@ class _Capture:
         return Capture()
 
 
-def _save(rank, world, tmp, strategy_name, fmt, name):
+def _save_and_load(rank, world, tmp, saves, loads):
+    """Train and save each (strategy, format, name) of ``saves``, then ``_load`` each of ``loads``
+    (one process group for both: spawning the ranks is most of a small job's time)."""
     from lightning.pytorch import seed_everything
 
     import zeropp_strategy  # noqa: F401
 
-    seed_everything(0)
-    t = _trainer(_strategy(strategy_name, fmt), world, max_steps=3)
-    t.fit(_module())
-    path = Path(tmp) / name
-    t.save_checkpoint(path)
-    ref = _full(t) if strategy_name != "ddp" else (
-        {k: v.detach().cpu().clone() for k, v in t.lightning_module.state_dict().items()},
-        t.optimizers[0].state_dict(),
-    )
-    if rank == 0:
-        torch.save(ref, Path(tmp) / f"{name}.ref")
-    t.strategy.barrier()
-    return True
+    for strategy_name, fmt, name in saves:
+        seed_everything(0)
+        t = _trainer(_strategy(strategy_name, fmt), world, max_steps=3)
+        t.fit(_module())
+        t.save_checkpoint(Path(tmp) / name)
+        ref = _full(t) if strategy_name != "ddp" else (
+            {k: v.detach().cpu().clone() for k, v in t.lightning_module.state_dict().items()},
+            t.optimizers[0].state_dict(),
+        )
+        if rank == 0:
+            torch.save(ref, Path(tmp) / f"{name}.ref")
+        t.strategy.barrier()
+    return _load(rank, world, tmp, loads)
 
 
 def _load(rank, world, tmp, jobs):
@@ -181,18 +183,16 @@ def _load(rank, world, tmp, jobs):
 
 def test_resharding_every_direction(tmp_path):
     tmp = str(tmp_path)
-    run_ranks(_save, 2, (tmp, "zeropp_stage_1", "sharded", "s1_n2"), timeout_s=300)
-    run_ranks(_save, 2, (tmp, "ddp", None, "ddp_n2.ckpt"), timeout_s=300)
-    run_ranks(_save, 2, (tmp, "zeropp_stage_3", "full", "s3full_n2.ckpt"), timeout_s=300)
-    run_ranks(_save, 4, (tmp, "zeropp_stage_3", "sharded", "s3_n4"), timeout_s=300)
+    run_ranks(_save_and_load, 2, (tmp, [("zeropp_stage_1", "sharded", "s1_n2"), ("ddp", None, "ddp_n2.ckpt"),
+                                        ("zeropp_stage_3", "full", "s3full_n2.ckpt")], []), timeout_s=300)
     results = {}
-    for world, jobs in (
-        (4, [("s1_n2", "zeropp_stage_3")]),
-        (2, [("s3_n4", "zeropp_stage_1"), ("s3_n4", "zeropp_stage_2"), ("ddp_n2.ckpt", "zeropp_stage_3"),
-             ("s3full_n2.ckpt", "ddp"), ("s3full_n2.ckpt", "zeropp_stage_1")]),
-        (1, [("s3_n4", "zeropp_stage_3"), ("s1_n2", "zeropp_stage_2")]),
+    for world, saves, jobs in (
+        (4, [("zeropp_stage_3", "sharded", "s3_n4")], [("s1_n2", "zeropp_stage_3")]),
+        (2, [], [("s3_n4", "zeropp_stage_1"), ("s3_n4", "zeropp_stage_2"), ("ddp_n2.ckpt", "zeropp_stage_3"),
+                 ("s3full_n2.ckpt", "ddp"), ("s3full_n2.ckpt", "zeropp_stage_1")]),
+        (1, [], [("s3_n4", "zeropp_stage_3"), ("s1_n2", "zeropp_stage_2")]),
     ):
-        for out in run_ranks(_load, world, (tmp, jobs), timeout_s=600):
+        for out in run_ranks(_save_and_load, world, (tmp, saves, jobs), timeout_s=600):
             results.update({(world, *k): v for k, v in out.items()})
     bad = {k: v for k, v in results.items() if not all(v.values())}
     assert not bad, "\n".join(f"{k}: {v}" for k, v in bad.items())
