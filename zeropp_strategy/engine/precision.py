@@ -216,7 +216,9 @@ class PrecisionPolicy:
         self.precision = precision  # type: ignore[assignment]
         self.device = device
         self._own_scaler = precision == "16-mixed" and scaler is None
-        if self._own_scaler:
+        # A "cuda" plugin built before the devices are known, on a machine without CUDA, gets its
+        # scaler in bind(): built now, torch's GradScaler would warn that it disables itself.
+        if self._own_scaler and (device != "cuda" or torch.cuda.is_available()):
             scaler = ShardedGradScaler(device=device)
         self.scaler = scaler
         self.ledger: Any = None
@@ -227,7 +229,7 @@ class PrecisionPolicy:
         Lightning hands the plugin to the strategy before it sets the devices, so the
         autocast device and the scaler are fixed here, not in ``__init__``.
         """
-        if self._own_scaler and device_type != self.device:
+        if self._own_scaler and (self.scaler is None or device_type != self.device):
             self.scaler = ShardedGradScaler(device=device_type)
         self.device = device_type
         self.ledger = ledger
