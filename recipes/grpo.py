@@ -135,7 +135,9 @@ class GRPOModule(LightningModule):
     def __init__(
         self,
         actor: str | dict[str, Any] | None = None,
-        reward_funcs: str | Callable[..., Any] | list[str | Callable[..., Any]] | None = None,
+        # import paths first: jsonargparse (zeropp fit) tries a union's members in order, and a Callable
+        # member tried on a list of paths warns "Unable to serialize instance" when it saves the config
+        reward_funcs: list[str] | str | list[Callable[..., Any]] | Callable[..., Any] | None = None,
         reward_model: str | dict[str, Any] | None = None,
         reward_weights: list[float] | None = None,
         reference: str | dict[str, Any] | None = None,
