@@ -92,12 +92,12 @@ def run(args: argparse.Namespace) -> dict:
     from benchmarks.simcluster import SimCluster
 
     runs: dict[str, list[dict]] = {f"{rate}/{system}": [] for rate, systems in CELLS.items() for system in systems}
-    meta = {**_meta(args), "rates": list(CELLS)}
+    meta = {**_meta(args), "rates": list(CELLS)}  # times two matmuls: once per invocation
     if args.append and args.out.exists():  # more rounds on top of an earlier invocation's
         earlier = json.loads(args.out.read_text())
         for key, cell_runs in earlier.get("runs", {}).items():
             runs.setdefault(key, []).extend(cell_runs)
-        meta = {**earlier["meta"], "appended": [*earlier["meta"].get("appended", []), _meta(args)]}
+        meta = {**earlier["meta"], "appended": [*earlier["meta"].get("appended", []), meta]}
     results: dict = {}
     for round_ in range(args.repeat):
         for rate, systems in CELLS.items():
@@ -109,8 +109,7 @@ def run(args: argparse.Namespace) -> dict:
                     load = os.getloadavg()[0]
                     cell = run_cell(cluster, system, args)
                     cell["load_avg_1min_at_start"] = load
-                    runs[key].append({k: cell.get(k) for k in ("step_s", "step_s_all", "veth_bytes_per_step", "loss",
-                                                                "load_avg_1min_at_start", "error") if k in cell})
+                    runs[key].append(_run_record(cell))
                     print(f"round {round_ + 1}/{args.repeat} {key}: " + (
                           f"{cell['step_s']:.3f} s/step, {cell['veth_bytes_per_step'] / MB:.2f} MB/step (load "
                           f"{load:.1f})" if "step_s" in cell else f"FAILED {cell.get('error')}"), flush=True)
@@ -162,14 +161,21 @@ def run_part(args: argparse.Namespace) -> dict:
                 load = os.getloadavg()[0]
                 cell = run_cell(cluster, name, cell_args)
                 cell["load_avg_1min_at_start"] = load
-                runs[key].append({k: cell.get(k) for k in ("step_s", "step_s_all", "veth_bytes_per_step", "loss",
-                                                            "load_avg_1min_at_start", "error") if k in cell})
+                runs[key].append(_run_record(cell))
                 print(f"round {round_ + 1}/{args.repeat} {key}: " + (f"{cell['step_s']:.3f} s/step (load {load:.1f})"
                       if "step_s" in cell else f"FAILED {cell.get('error')}"), flush=True)
                 # after every run, so that a run cut short keeps what it measured
                 results = {"meta": meta, "cells": _summarize(runs, skipped), "runs": runs}
                 out.write_text(json.dumps(results, indent=1))
     return results
+
+
+RUN_FIELDS = ("step_s", "step_s_all", "veth_bytes_per_step", "loss", "load_avg_1min_at_start", "error")
+
+
+def _run_record(cell: dict) -> dict:
+    """What a results JSON keeps of one run of a cell."""
+    return {k: cell[k] for k in RUN_FIELDS if k in cell}
 
 
 def _summarize(runs: dict[str, list[dict]], skipped: dict[str, str]) -> dict:
