@@ -59,9 +59,11 @@ store's ``io_stats()``.
 
 ``param``: ``offload_param="nvme"`` against no offload (issue 18 item 6: target step time
 <= 1.3x), stage 3, fp32 (the e2e model has no precision flag): the e2e cells ``none``,
-``param_nvme`` (your AdamW steps the mapped shards) and ``opt_nvme_param_nvme``
-(``zeropp_offload_nvme``'s placement), ``--rounds`` times, interleaved, so that a slow
-spell of a shared machine lands on both sides of a ratio. Reported per round: the step
+``param_nvme`` (your AdamW steps the mapped shards; the memory plan keeps the gradients
+in host memory, since the budget has room for them), ``opt_nvme_param_nvme``
+(``zeropp_offload_nvme``'s placement) and ``param_nvme_grads_nvme`` (no budget, so no
+plan: the gradients go through the drive too), ``--rounds`` times, interleaved, so that
+a slow spell of a shared machine lands on both sides of a ratio. Reported per round: the step
 time ratio to ``none`` of the same round, rank 0's CPU-time ratio (less sensitive to
 other load on the machine than wall time), the major page faults per all-gather copy-in
 (pages the read-ahead missed) and the time the step waited for the write-behind; then
@@ -93,7 +95,8 @@ MiB = 2**20
 RESULTS = Path(__file__).resolve().parent / "results"
 ADAM_IMPLS = ("forloop", "foreach", "fused", "ours")
 ADAM_BYTES_PER_ELEM = 28  # fp32: read param, grad, exp_avg, exp_avg_sq; write param, exp_avg, exp_avg_sq
-E2E_CELLS = ("none", "none_fused", "opt_cpu", "opt_nvme", "opt_cpu_param_cpu", "opt_nvme_param_nvme", "param_nvme")
+E2E_CELLS = ("none", "none_fused", "opt_cpu", "opt_nvme", "opt_cpu_param_cpu", "opt_nvme_param_nvme", "param_nvme",
+             "param_nvme_grads_nvme")
 TARGET = 0.70  # swap path bandwidth / the drive's (fio, else dd)
 
 
@@ -671,6 +674,9 @@ def _e2e_strategy_kwargs(cell: str, d: Path, args: argparse.Namespace) -> dict:
         "opt_cpu_param_cpu": {"offload_optimizer": "cpu", "offload_param": "cpu"},
         "opt_nvme_param_nvme": {"offload_optimizer": nvme, "offload_param": {"device": "nvme", "nvme_path": str(d)}},
         "param_nvme": {"offload_param": {"device": "nvme", "nvme_path": str(d)}},
+        # No budget, no memory plan: the gradient shards go to NVMe too.
+        "param_nvme_grads_nvme": {"offload_param": {"device": "nvme", "nvme_path": str(d)},
+                                  "host_memory_budget_bytes": None},
     }[cell]
 
 
@@ -799,7 +805,8 @@ E2E_LABELS = {
     "opt_nvme": "offload_optimizer=nvme",
     "opt_cpu_param_cpu": "offload_optimizer=cpu + offload_param=cpu",
     "opt_nvme_param_nvme": "offload_optimizer=nvme + offload_param=nvme",
-    "param_nvme": "offload_param=nvme (the user's AdamW steps the mapped shards)",
+    "param_nvme": "offload_param=nvme (the user's AdamW steps the mapped shards; gradients in memory, the plan's choice)",
+    "param_nvme_grads_nvme": "offload_param=nvme, gradients on NVMe too (host_memory_budget_bytes=None)",
 }
 
 
@@ -827,7 +834,7 @@ def print_e2e(res: dict) -> None:
 
 # -- param: NVMe parameters against no offload ---------------------------------------------------
 
-PARAM_CELLS = ("none", "param_nvme", "opt_nvme_param_nvme")
+PARAM_CELLS = ("none", "param_nvme", "opt_nvme_param_nvme", "param_nvme_grads_nvme")
 PARAM_TARGET = 1.3  # step time with offload_param="nvme" / without offload (issue 18, item 6)
 
 

@@ -6,7 +6,7 @@ cannot fit is refused on every rank with the numbers, before any swap file exist
 meta-initialized model streamed to NVMe holds the same weights, bit for bit, as the same
 model materialized whole without offload, and trains to the same weights as plain stage 3
 within the offload tests' tolerance; after backward every trainable gradient shard is a
-view of the gradient swap file.
+view of the gradient swap file when the plan sends them there (and not otherwise).
 """
 
 from __future__ import annotations
@@ -56,11 +56,16 @@ def test_plan_rows_match_the_model(tmp_path):
     assert host["runtime (Python, torch, the process group)"] == RUNTIME_BYTES
     assert host["gathered parameters: the root group + 3 blocks"] == (root_full + 3 * block_full) * 4
     assert host["optimizer state on NVMe: staging buffers"] == 4 * 64 * 2**20
-    assert not any("(in memory)" in what for what in host)  # nothing grows with the model
+    # The budget has room for the gradient shards: they stay in host memory, not on NVMe.
+    assert not plan.grads_on_nvme
+    assert [what for what in host if "(in memory" in what] == ["gradient shards (in memory: the budget has room for them)"]
+    assert host["gradient shards (in memory: the budget has room for them)"] == shard
+    assert host["pages queued for write-behind"] == shard  # the parameters only
     disk = {what: n for what, _, n in plan.disk}
-    assert disk == {"parameter shards": shard, "gradient shards": shard, "optimizer state, AdamW": 2 * shard}
-    assert plan.disk_bytes() == 4 * shard and plan.problems() == []
+    assert disk == {"parameter shards": shard, "optimizer state, AdamW": 2 * shard}
+    assert plan.disk_bytes() == 3 * shard and plan.problems() == []
     assert f"{plan.host_bytes / GiB:.2f} GiB  total" in plan.describe()
+    assert plan.disk_traffic_per_step() == (3 * shard + 2 * shard, shard + 2 * shard)
 
     # All in host memory: the shards, their gradients and AdamW's state grow with the model.
     cpu = plan_memory(net, blocks, ZeroConfig(stage=3, offload_param="cpu", offload_optimizer="cpu",
@@ -69,6 +74,38 @@ def test_plan_rows_match_the_model(tmp_path):
     rows = dict(cpu.host)
     assert rows["parameter shards (in memory)"] == shard and rows["gradient shards (in memory)"] == shard
     assert rows["optimizer state, AdamW (in memory)"] == 2 * shard and cpu.disk == ()
+
+
+def test_gradients_go_to_nvme_only_when_memory_is_short(tmp_path):
+    """[Note: gradients on NVMe]: a model whose gradient shards do not fit the budget beside
+    everything else gets them on NVMe; the rows then grow with no part of the model."""
+    with torch.device("meta"):
+        from tests._models import Net
+
+        net = Net(width=8192, depth=3)  # 805M parameters: a 1.6 GB fp32 shard per rank, past the write-behind cap
+    blocks = list(net.blocks)
+    shard = _shard_bytes(list(net.parameters()), 2)
+    block_shard = _shard_bytes(list(blocks[0].parameters()), 2)
+    nvme = {"device": "nvme", "nvme_path": str(tmp_path)}
+
+    def plan(budget: int):
+        cfg = ZeroConfig(stage=3, offload_param=nvme, offload_optimizer=nvme, host_memory_budget_bytes=budget)
+        return plan_memory(net, blocks, cfg, world_size=2, ranks_per_node=2, device=torch.device("cpu"),
+                           gather_bytes=4)
+
+    roomy = plan(64 * GiB)
+    assert not roomy.grads_on_nvme and roomy.problems() == []
+    on_nvme = plan(2**20)  # nothing fits: the NVMe variant is the smaller one, and it is what gets refused
+    assert on_nvme.grads_on_nvme and on_nvme.problems()
+    assert on_nvme.host_bytes < roomy.host_bytes
+    tight = plan(on_nvme.host_bytes)  # room for everything but the gradient shards
+    assert tight.grads_on_nvme and tight.problems() == []
+    host = dict(tight.host)
+    assert host["gradient shards on NVMe: the group being reduced"] == 2 * block_shard
+    assert not any("(in memory" in what for what in host)  # nothing grows with the model
+    assert {what: n for what, _, n in tight.disk} == {"parameter shards": shard, "gradient shards": shard,
+                                                        "optimizer state, AdamW": 2 * shard}
+    assert roomy.host_bytes - tight.host_bytes == shard - 2 * block_shard  # what the gradients in memory cost
 
 
 def test_plan_refuses_with_numbers_and_fix(tmp_path, monkeypatch):
@@ -174,7 +211,7 @@ def _worker(rank: int, world: int, tmp: str) -> dict:
 
     class Watch(Callback):
         def __init__(self) -> None:
-            self.initial, self.grads_in_file, self.losses = None, [], []
+            self.initial, self.grads_in_file, self.losses, self.swap_files = None, [], [], None
 
         def on_train_start(self, trainer, pl_module):  # noqa: ANN001
             self.initial = full_model_state(pl_module)
@@ -184,30 +221,38 @@ def _worker(rank: int, world: int, tmp: str) -> dict:
             if stores:
                 files = stores[0]._grads
                 self.grads_in_file.append(all(
-                    p.grad is not None and p.grad.to_local().data_ptr() == files[id(p)][1].data_ptr()
+                    p.grad is not None and id(p) in files and p.grad.to_local().data_ptr() == files[id(p)][1].data_ptr()
                     for p in pl_module.parameters() if p.requires_grad and p.dim()))
+                self.swap_files = sorted(f.name for f in Path(stores[0].swap_dir).iterdir())
 
         def on_train_batch_end(self, trainer, pl_module, outputs, *args):  # noqa: ANN001, ANN002
             self.losses.append(float(outputs["loss"]))
 
     # 2. Fits: streamed initialization equals the whole-model one; training equals stage 3.
+    # With the default budget the gradients stay in host memory; without a budget (no
+    # plan) they go to NVMe as well ([Note: gradients on NVMe]).
     runs = {}
-    for name, fields in (("stage3", {}), ("nvme", {"offload_param": nvme, "offload_optimizer": nvme})):
+    both = {"offload_param": nvme, "offload_optimizer": nvme}
+    for name, fields in (("stage3", {}), ("nvme", both), ("nvme_grads", {**both, "host_memory_budget_bytes": None})):
         seed_everything(0)
         watch = Watch()
         module = MetaInitModule()
+        # Two micro-batches per step: the first runs under no_sync (FSDP2 keeps its gradients
+        # unsharded, so the sharded .grad is still None after its backward), the second
+        # reduce-scatters the sum.
         trainer = Trainer(strategy=ZeroPPStrategy(stage=3, **fields), callbacks=[watch],
-                          **trainer_kwargs(world, max_steps=4))
+                          **trainer_kwargs(world, max_steps=4, accumulate_grad_batches=2))
         trainer.fit(module)
         runs[name] = (watch, full_model_state(module))
         plan = trainer.strategy._session.engine.memory_plan if name == "nvme" else None
         if plan is not None:
             out["activations"] = dict(plan.host).get(memory_plan.ACTIVATIONS_ROW)
-    (ref, ref_final), (run, final) = runs["stage3"], runs["nvme"]
-    out["init_diff"] = max((ref.initial[k] - run.initial[k]).abs().max().item() for k in ref.initial)
-    out["final_diff"] = max((ref_final[k] - final[k]).abs().max().item() for k in final)
-    out["grads_in_file"] = run.grads_in_file
-    out["losses"] = run.losses
+    ref, ref_final = runs["stage3"]
+    for name in ("nvme", "nvme_grads"):
+        run, final = runs[name]
+        out[name] = {"init_diff": max((ref.initial[k] - run.initial[k]).abs().max().item() for k in ref.initial),
+                     "final_diff": max((ref_final[k] - final[k]).abs().max().item() for k in final),
+                     "grads_in_file": run.grads_in_file, "swap_files": run.swap_files, "losses": run.losses}
     return out
 
 
@@ -218,9 +263,15 @@ def test_refused_on_every_rank_and_streamed_init_equals_whole(tmp_path):
         assert "ZeroConfig.host_memory_budget_bytes" in out["refused"] and "GiB" in out["refused"], out["refused"]
         assert "Fix:" in out["refused"] and "zeropp memory plan" in out["refused"], out["refused"]
         assert out["swap_after_refusal"] == [], out  # refused before the swap files
-        assert out["init_diff"] == 0.0, out
-        assert out["final_diff"] <= TOL, out
-        assert out["grads_in_file"] == [True] * 4, out
+        for name in ("nvme", "nvme_grads"):
+            assert out[name]["init_diff"] == 0.0, (name, out)
+            assert out[name]["final_diff"] <= TOL, (name, out)
+            assert all(math.isfinite(x) for x in out[name]["losses"]), (name, out)
+        # The default budget has room for the gradients: in host memory, no gradient file.
+        assert out["nvme"]["grads_in_file"] == [False] * 8, out
+        assert out["nvme"]["swap_files"] == ["params.float32.swap"], out
+        # No budget, no plan: the gradients rest on NVMe too, each a view of the gradient file.
+        assert out["nvme_grads"]["grads_in_file"] == [False, True] * 4, out
+        assert out["nvme_grads"]["swap_files"] == ["grads.float32.swap", "params.float32.swap"], out
         assert out["activations"] and out["activations"] > 0, out  # measured at the first step, in the plan
-        assert all(math.isfinite(x) for x in out["losses"]), out
     assert shutil.disk_usage(tmp_path).free > 0

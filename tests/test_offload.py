@@ -313,7 +313,9 @@ PARITY = {  # name -> (stage, strategy kwargs, optimizer implementation)
     "s3_param_cpu_opt_nvme": (3, {"offload_param": "cpu", "offload_optimizer": "nvme"}, "forloop"),
     "s3_param_nvme": (3, {"offload_param": "nvme"}, "forloop"),
     "s3_param_nvme_opt_cpu": (3, {"offload_param": "nvme", "offload_optimizer": "cpu"}, "forloop"),
-    "s3_param_nvme_opt_nvme": (3, {"offload_param": "nvme", "offload_optimizer": "nvme"}, "forloop"),
+    # No budget, so no plan: the gradient shards go to NVMe too ([Note: gradients on NVMe]).
+    "s3_param_nvme_opt_nvme": (3, {"offload_param": "nvme", "offload_optimizer": "nvme",
+                                   "host_memory_budget_bytes": None}, "forloop"),
     "s3_cpu_fused": (3, {"offload_optimizer": "cpu"}, "default"),
 }
 
@@ -392,6 +394,7 @@ def _parity_worker(rank, world, tmp):
         store = t.strategy._param_store
         out[name] = {
             "param_disk": store.disk_bytes() if store else 0,
+            "grads_on_nvme": store.grads_on_nvme if store else None,
             "param_resident_after": resident_after,
             "model": _diff(ref[0], full[0]),
             "optim": _diff(ref[1]["state"], full[1]["state"]),
@@ -418,11 +421,16 @@ def _check_offload_lines(rank: int, name: str, r: dict) -> None:
     if rank != 0:
         assert lines == [], (name, lines)
         return
-    kw = PARITY[name][1]
+    kw = {k: v for k, v in PARITY[name][1].items() if k.startswith("offload_")}
     assert len(lines) == len(kw), (name, lines)
     for field, device in kw.items():
         [line] = [line for line in lines if line.startswith(f"zeropp: {field}={device!r}: ")]
         assert ("AdamW state" if field == "offload_optimizer" else "parameter shards") in line, line
+        if field == "offload_param" and device == "nvme":  # where the gradients went: the plan's choice
+            grads_on_nvme = "host_memory_budget_bytes" in PARITY[name][1]  # no budget: no plan, NVMe
+            assert r["grads_on_nvme"] == grads_on_nvme, (name, r["grads_on_nvme"])
+            assert ("parameter shards and gradients of" in line) == grads_on_nvme, line
+            assert ("their gradients stay in host memory" in line) == (not grads_on_nvme), line
         if device == "cpu":
             assert line.endswith("host memory (CPU)"), line
         else:
@@ -451,9 +459,10 @@ def _sharded_mlp(world: int, nvme_path: str | None):
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False), store
 
 
-def _mlp_step(model, opt, store, rank: int, i: int) -> None:
-    x = torch.randn(8, 24, generator=torch.Generator().manual_seed(100 * rank + i))
-    model(x).square().mean().backward()
+def _mlp_step(model, opt, store, rank: int, i: int, micro: int = 1) -> None:
+    for j in range(micro):  # micro > 1: FSDP2 adds each reduced gradient into the stored one
+        x = torch.randn(8, 24, generator=torch.Generator().manual_seed(100 * rank + 10 * j + i))
+        model(x).square().mean().backward()
     opt.step()
     opt.zero_grad()
     if store is not None:  # what the engine's step post-hook does
@@ -474,9 +483,9 @@ def _write_behind_worker(rank, world, tmp):
     real_write_back = params_mod.write_back
     ref, ref_opt, _ = _sharded_mlp(world, None)
     model, opt, store = _sharded_mlp(world, tmp)
-    for i in range(4):
-        _mlp_step(ref, ref_opt, None, rank, i)
-        _mlp_step(model, opt, store, rank, i)
+    for i in range(4):  # the last two steps accumulate two backwards (into the gradient file's views)
+        _mlp_step(ref, ref_opt, None, rank, i, micro=1 + (i >= 2))
+        _mlp_step(model, opt, store, rank, i, micro=1 + (i >= 2))
     # 1. After flush() nothing stays mapped and the files hold the stepped values.
     store.flush()
     out["resident_after_flush"] = store.resident_bytes()
@@ -643,7 +652,8 @@ RESUME = {  # name -> (stage, kwargs, state_dict_type)
     "s2_cpu_full": (2, {"offload_optimizer": "cpu"}, "full"),
     "s3_param_cpu_sharded": (3, {"offload_param": "cpu", "offload_optimizer": "cpu"}, "sharded"),
     "s3_param_nvme_full": (3, {"offload_param": "nvme"}, "full"),
-    "s3_param_nvme_opt_nvme_sharded": (3, {"offload_param": "nvme", "offload_optimizer": "nvme"}, "sharded"),
+    "s3_param_nvme_opt_nvme_sharded": (3, {"offload_param": "nvme", "offload_optimizer": "nvme",
+                                           "host_memory_budget_bytes": None}, "sharded"),
 }
 
 

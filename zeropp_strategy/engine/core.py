@@ -244,7 +244,7 @@ class ZeroEngine:
 
     def shard(self, root: nn.Module) -> list[nn.Module]:
         """Stages 2/3: FSDP2 on ``root`` (in place) with our comm objects; NVMe params mapped."""
-        self.check_memory_plan(root)
+        plan = self.check_memory_plan(root)
         all_gather, reduce_scatter = self.comm_factories()
         blocks = shard_module(
             root,
@@ -265,23 +265,30 @@ class ZeroEngine:
         if self.config.offload_param.device == "nvme":
             from zeropp_strategy.offload.params import ParamStore
 
+            # Gradients follow the plan: on NVMe only when host memory has no room for them
+            # ([Note: gradients on NVMe]); without a budget there is no plan, and they go too.
+            grads_on_nvme = plan is None or plan.grads_on_nvme
             store = self.agree(
                 "mapping parameter shards to NVMe",
-                lambda: ParamStore(root, self.config.offload_param, rank=self.rank),
+                lambda: ParamStore(root, self.config.offload_param, rank=self.rank, grads_on_nvme=grads_on_nvme),
             )
             self.agree("initializing parameter shards on NVMe",
                        lambda: materialize(root, torch.device("cpu"), store=store))
             self.param_stores.append(store)
+            if not grads_on_nvme:
+                what = (f"parameter shards of {type(model).__name__} (their gradients stay in host memory: the memory "
+                        "plan has room for them)")
             self.log_offload("offload_param", what, store.swap_dir)
         elif self.config.offload_param.device == "cpu":
             self.log_offload("offload_param", what)
         return blocks
 
     def check_memory_plan(self, root: nn.Module) -> MemoryPlan | None:
-        """``memory_plan.check_memory_plan`` for this engine ([Note: the memory plan]); the
-        plan is kept in ``memory_plan``."""
-        self.memory_plan = check_memory_plan(self, root) or self.memory_plan
-        return self.memory_plan
+        """``memory_plan.check_memory_plan`` for this engine ([Note: the memory plan]): ``root``'s
+        plan, or None when no plan applies; the last plan made is kept in ``memory_plan``."""
+        plan = check_memory_plan(self, root)
+        self.memory_plan = plan or self.memory_plan
+        return plan
 
     def log_offload(self, field: str, what: str, swap_dir: str | None = None) -> None:
         """One line at INFO on rank 0 (``self.info``, as the topology) per offloaded model or

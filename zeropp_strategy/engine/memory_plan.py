@@ -11,6 +11,11 @@ enough) and the blocks are chosen, before any parameter is allocated:
   on NVMe with ``"nvme"``, where the host holds only what is in flight: the groups being
   gathered, prefetched or written back, and ``buffer_count x buffer_bytes`` of optimizer
   staging;
+- where the gradient shards of ``offload_param="nvme"`` go, decided here: in host memory
+  when the plan with them there fits the budget, on NVMe (written in backward, read back
+  by the step) only when it does not ([Note: gradients on NVMe] in offload/params.py).
+  A gradient lives from its backward to the next step; sending it through the drive
+  costs a write and a read per step, which only pays when memory is what is short;
 - what a step needs at once whatever the offload: on a CPU device, the gathered
   parameters (the root group, kept for the whole step, plus the computing block and
   ``FORWARD_PREFETCH_BLOCKS`` prefetched ones) and, in backward, the unsharded gradients
@@ -50,8 +55,8 @@ from torch import nn
 
 from zeropp_strategy.config import ZeroConfig
 
-__all__ = ["ACTIVATIONS_ROW", "ADAM_STATE_BYTES", "AUTO_FRACTION", "HEAP_MMAP_THRESHOLD_BYTES", "RUNTIME_BYTES",
-           "ActivationMeter", "MemoryPlan", "auto_budget_bytes", "bound_heap", "check_memory_plan", "plan_memory"]
+__all__ = ["ACTIVATIONS_ROW", "ADAM_STATE_BYTES", "AUTO_FRACTION", "RUNTIME_BYTES", "ActivationMeter", "MemoryPlan",
+           "auto_budget_bytes", "check_memory_plan", "plan_memory"]
 
 RUNTIME_BYTES = 768 * 2**20
 """Host memory of one rank before any model state: measured 540 MB RSS (360 MB anonymous)
@@ -94,25 +99,6 @@ def _cgroup_free_bytes() -> int | None:
         return None
 
 
-HEAP_MMAP_THRESHOLD_BYTES = 1 << 20
-"""``bound_heap``: glibc serves allocations of this size or more with their own mapping,
-returned to the system when freed. glibc's default threshold grows up to 32 MiB as large
-blocks are freed, and the freed blocks under it stay in the heap: measured 0.87 x 4P/N of
-resident garbage per rank after a step of a 143M-parameter Llama on 2 ranks (issue 22)."""
-
-
-def bound_heap() -> bool:
-    """Fix glibc's mmap threshold at ``HEAP_MMAP_THRESHOLD_BYTES`` (process-wide; a no-op
-    where glibc is absent). Returns whether it was set."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(-3, HEAP_MMAP_THRESHOLD_BYTES))  # -3: M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        return False
-
-
 def auto_budget_bytes(ranks_per_node: int) -> tuple[int, str]:
     """``AUTO_FRACTION`` of this machine's available memory over ``ranks_per_node``, and
     a sentence saying where the number came from."""
@@ -143,6 +129,9 @@ class MemoryPlan:
     disk_free: dict[str, int] = field(default_factory=dict)
     ranks_per_node: int = 1
     params: int = 0
+    grads_on_nvme: bool = False
+    """``offload_param="nvme"``: whether the gradient shards go to NVMe too (the plan with
+    them in host memory did not fit the budget), or stay in host memory."""
 
     @property
     def host_bytes(self) -> int:
@@ -243,50 +232,59 @@ def plan_memory(root: nn.Module, blocks: list[nn.Module], config: ZeroConfig, *,
     in_flight = 1 + FORWARD_PREFETCH_BLOCKS  # groups whose shard pages are mapped at once
     pdev, odev = config.offload_param.device, config.offload_optimizer.device
 
-    host: list[tuple[str, int]] = [("runtime (Python, torch, the process group)", RUNTIME_BYTES)]
-    if pdev == "nvme":
-        host.append(("parameter shards on NVMe: pages of the groups in flight", in_flight * block_shard))
-        host.append(("gradient shards on NVMe: the group being reduced", 2 * block_shard))
-        from zeropp_strategy.offload.params import WRITE_BEHIND_LIMIT_BYTES
+    budget = config.host_memory_budget_bytes
+    if budget == "auto":
+        budget_bytes, source = auto_budget_bytes(ranks_per_node)
+    else:
+        budget_bytes, source = int(budget), "ZeroConfig.host_memory_budget_bytes"
 
-        host.append(("pages queued for write-behind", min(WRITE_BEHIND_LIMIT_BYTES, shard + trainable_shard)))
-    else:  # "cpu", or "none" on a CPU device: host memory either way
-        if pdev == "cpu" or device.type == "cpu":
+    def rows(grads_on_nvme: bool) -> tuple[list[tuple[str, int]], list[tuple[str, str, int]]]:
+        host: list[tuple[str, int]] = [("runtime (Python, torch, the process group)", RUNTIME_BYTES)]
+        disk: list[tuple[str, str, int]] = []
+        if pdev == "nvme":
+            from zeropp_strategy.offload.params import WRITE_BEHIND_LIMIT_BYTES
+
+            path = config.offload_param.nvme_path
+            host.append(("parameter shards on NVMe: pages of the groups in flight", in_flight * block_shard))
+            disk.append(("parameter shards", path, shard))
+            if grads_on_nvme:
+                host.append(("gradient shards on NVMe: the group being reduced", 2 * block_shard))
+                disk.append(("gradient shards", path, trainable_shard))
+            else:
+                host.append(("gradient shards (in memory: the budget has room for them)", trainable_shard))
+            queued = shard + (trainable_shard if grads_on_nvme else 0)
+            host.append(("pages queued for write-behind", min(WRITE_BEHIND_LIMIT_BYTES, queued)))
+        elif pdev == "cpu" or device.type == "cpu":  # "none" on a CPU device: host memory either way
             host.append(("parameter shards (in memory)", shard))
             host.append(("gradient shards (in memory)", trainable_shard))
-    opt_state = trainable_shard // esize * ADAM_STATE_BYTES
-    if odev == "nvme":
-        o = config.offload_optimizer
-        host.append(("optimizer state on NVMe: staging buffers", o.buffer_count * o.buffer_bytes))
-    elif odev == "cpu" or device.type == "cpu":
-        host.append(("optimizer state, AdamW (in memory)", opt_state))
-    if device.type == "cpu":  # the device is the host: what a step computes with lives here too
-        host.append((f"gathered parameters: the root group + {in_flight} blocks",
-                     (root_full + in_flight * block_full) * gather_bytes))
-        host.append(("unsharded gradients in backward: the root group + 2 blocks",
-                     (root_full + 2 * block_full) * (esize + gather_bytes)))
+        opt_state = trainable_shard // esize * ADAM_STATE_BYTES
+        if odev == "nvme":
+            o = config.offload_optimizer
+            host.append(("optimizer state on NVMe: staging buffers", o.buffer_count * o.buffer_bytes))
+            disk.append(("optimizer state, AdamW", o.nvme_path, opt_state))
+        elif odev == "cpu" or device.type == "cpu":
+            host.append(("optimizer state, AdamW (in memory)", opt_state))
+        if device.type == "cpu":  # the device is the host: what a step computes with lives here too
+            host.append((f"gathered parameters: the root group + {in_flight} blocks",
+                         (root_full + in_flight * block_full) * gather_bytes))
+            host.append(("unsharded gradients in backward: the root group + 2 blocks",
+                         (root_full + 2 * block_full) * (esize + gather_bytes)))
+        return host, disk
 
-    disk: list[tuple[str, str, int]] = []
+    host, disk = rows(grads_on_nvme=False)
+    grads_on_nvme = pdev == "nvme" and sum(n for _, n in host) > budget_bytes
+    if grads_on_nvme:
+        host, disk = rows(grads_on_nvme=True)
     free: dict[str, int] = {}
-    if pdev == "nvme":
-        path = config.offload_param.nvme_path
-        disk.append(("parameter shards", path, shard))
-        disk.append(("gradient shards", path, trainable_shard))
-    if odev == "nvme":
-        disk.append(("optimizer state, AdamW", config.offload_optimizer.nvme_path, opt_state))
     for _, directory, _ in disk:
         if directory not in free:
             try:
                 free[directory] = shutil.disk_usage(directory).free
             except OSError:
                 pass  # a missing directory is reported by the swap files' own check
-    budget = config.host_memory_budget_bytes
-    if budget == "auto":
-        budget_bytes, source = auto_budget_bytes(ranks_per_node)
-    else:
-        budget_bytes, source = int(budget), "ZeroConfig.host_memory_budget_bytes"
     return MemoryPlan(budget_bytes=budget_bytes, budget_source=source, host=tuple(host), disk=tuple(disk),
-                      disk_free=free, ranks_per_node=ranks_per_node, params=_elems(params))
+                      disk_free=free, ranks_per_node=ranks_per_node, params=_elems(params),
+                      grads_on_nvme=grads_on_nvme)
 
 
 class ActivationMeter:
@@ -382,6 +380,4 @@ def check_memory_plan(engine: Any, root: nn.Module) -> MemoryPlan | None:
     engine.agree("checking the memory plan", refuse)
     if engine.device.type == "cpu":  # activations are host memory too: measured at the first step
         ActivationMeter(root, lambda nbytes: _measured(engine, plan, nbytes))
-    if cfg.offload_param.device == "nvme":
-        bound_heap()  # freed buffers go back to the system instead of piling up in the heap
     return plan

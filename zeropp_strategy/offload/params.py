@@ -20,9 +20,28 @@ freed memory. What makes them *rest* on disk:
   successor of block k is k+1 after (k-1, k) and k-1 after (k+1, k).
 
 Resident parameter memory is then the groups being gathered plus those prefetched plus
-those still being written back, not P/N. Gradients are not swapped: FSDP2 keeps the
-reduced shards in host RAM until the step. Regions are 4 KiB aligned so that every
-advice covers exactly one parameter.
+those still being written back, not P/N. Regions are 4 KiB aligned so that every advice
+covers exactly one parameter.
+
+[Note: gradients on NVMe]
+Where the reduced gradient shards live is the memory plan's decision ([Note: the memory
+plan] in engine/memory_plan.py): in host memory, as FSDP2 leaves them, when the budget
+has room for them (``4 P/N`` bytes in fp32); in a gradient swap file laid out like the
+parameter file when it has not (or when there is no plan: ``host_memory_budget_bytes=
+None``). A gradient lives only from its backward to the next step, so the file costs a
+write and a read of every gradient per step; measured on the 5.5M-parameter model of
+``benchmarks/offload.py --part param``, gradients in the file instead of in memory took
+the step from about 1.2x to about 1.5x of no offload.
+
+In the file: FSDP2 calls ``_grad_to_file`` (a post-accumulate-grad hook) right after it
+stores a reduced shard. The hook writes the shard into its region with ``pwrite``, which
+fills the page cache without reading what the file held (a copy through the mapping
+would first read every page of the region from the drive, since the previous step's
+pages were dropped, and fault on each), points ``param.grad`` at the region's mapped
+view and queues the region for write-behind. The step reads the gradient through the
+mapping, and ``release`` drops its pages afterwards. When FSDP2 accumulates into the
+existing ``.grad`` (gradient accumulation) it writes through the mapping itself, and the
+hook only queues the region.
 
 [Note: write-behind]
 ``release`` (after the optimizer stepped a batch) hands the batch to one background
@@ -85,7 +104,7 @@ from zeropp_strategy.fsdp_private import (
     wrap_unshard,
 )
 from zeropp_strategy.offload.swap import ALIGN, MappedRegion as _Region, NoPool as _NoPool, SwapDir, SwapFile, align_up
-from zeropp_strategy.offload.swap import start_write_back, write_back
+from zeropp_strategy.offload.swap import pwrite_tensor, start_write_back, write_back
 
 log = logging.getLogger(__name__)
 
@@ -203,13 +222,15 @@ class ParamStore:
     the parameters are initialized; FSDP2's lazy init later finds the same storage.
     """
 
-    def __init__(self, root: nn.Module, config: OffloadConfig, *, rank: int = 0, prefetch: int = 2) -> None:
+    def __init__(self, root: nn.Module, config: OffloadConfig, *, rank: int = 0, prefetch: int = 2,
+                 grads_on_nvme: bool = True) -> None:
         if config.device != "nvme" or config.nvme_path is None:
             raise ValueError("ParamStore needs offload_param.device='nvme' with an nvme_path")
         self.prefetch = prefetch
+        self.grads_on_nvme = grads_on_nvme  # else FSDP2 keeps them in host memory ([Note: gradients on NVMe])
         self._dir = SwapDir(config.nvme_path, rank, field="offload_param")
         self._regions: dict[int, _Region] = {}  # id(sharded param) -> its region
-        self._slots: dict[int, tuple[Any, Any, int]] = {}  # id(FSDPParam) -> (params map, grads map, offset)
+        self._slots: dict[int, tuple[Any, Any, int]] = {}  # id(FSDPParam) -> (params map, grads map or None, offset)
         self._grads: dict[int, tuple[_Region, Tensor]] = {}  # id(sharded param) -> its gradient's region, view
         self._group_regions: dict[int, list[_Region]] = {}
         self._next: dict[int, int] = {}  # group -> the group unsharded after it last time
@@ -249,7 +270,7 @@ class ParamStore:
                     raise RuntimeError("offload_param='nvme' needs FSDP2's CPU offload policy underneath")
                 by_dtype.setdefault(data.dtype, []).append(fp)
         sizes = {id(fp): align_up(sharded_data(fp).nbytes) for fps in by_dtype.values() for fp in fps}
-        self._dir.ensure_space(2 * sum(sizes.values()))  # the shards and their gradients
+        self._dir.ensure_space((1 + self.grads_on_nvme) * sum(sizes.values()))  # the shards (and their gradients)
         for dtype, fps in by_dtype.items():
             offsets, cursor = [], 0
             for fp in fps:
@@ -257,7 +278,7 @@ class ParamStore:
                 cursor += sizes[id(fp)]
             name = str(dtype).replace("torch.", "")
             params = self._map(f"params.{name}.swap", cursor)
-            grads = self._map(f"grads.{name}.swap", cursor)
+            grads = self._map(f"grads.{name}.swap", cursor) if self.grads_on_nvme else None
             for fp, off in zip(fps, offsets):
                 self._slots[id(fp)] = (params, grads, off)
         for g in groups:
@@ -270,8 +291,8 @@ class ParamStore:
         for g in groups:
             if not any(sharded_data(fp).is_meta for fp in group_params(g)):
                 self.fill(g)
-        log.info("zeropp: parameter shards and their gradients rest in %s (%d bytes)", self._dir.path,
-                 sum(f.nbytes for f in self._files))
+        log.info("zeropp: parameter shards %srest in %s (%d bytes)",
+                 "and their gradients " if self.grads_on_nvme else "", self._dir.path, sum(f.nbytes for f in self._files))
 
     def _map(self, filename: str, nbytes: int) -> tuple[mmap.mmap, SwapFile, Tensor]:
         file = SwapFile(self._dir.path / filename, nbytes, _NoPool(), direct=False, io_block_bytes=ALIGN)
@@ -288,10 +309,11 @@ class ParamStore:
     def fill(self, group: Any) -> None:
         """Move ``group``'s shards (real tensors now, initialized) into their regions of the
         swap file, write them out and drop their pages: afterwards the group holds no host
-        memory. Each trainable parameter's gradient gets its region of the gradient file."""
+        memory. With gradients on NVMe, each trainable parameter's gradient gets its region
+        of the gradient file."""
         regions = self._group_regions[id(group)]
         for fp in group_params(group):
-            (mm, file, flat), (gmm, gfile, gflat), off = self._slots[id(fp)]
+            (mm, file, flat), grads, off = self._slots[id(fp)]
             data = sharded_data(fp)
             if data.is_meta:
                 raise RuntimeError("ParamStore.fill: a shard is still on the meta device; materialize its group first")
@@ -302,7 +324,8 @@ class ParamStore:
             param = sharded_param(fp)
             self._regions[id(param)] = r = _Region(mm, file.fd, file.path, flat.data_ptr(), off, nbytes)
             regions.append(r)
-            if param.requires_grad:
+            if param.requires_grad and grads is not None:
+                gmm, gfile, gflat = grads
                 local = param.to_local()
                 view = gflat[off : off + local.numel() * data.element_size()].view(data.dtype).view(local.shape)
                 self._grads[id(param)] = (_Region(gmm, gfile.fd, gfile.path, gflat.data_ptr(), off, nbytes), view)
@@ -313,9 +336,10 @@ class ParamStore:
 
     @torch.no_grad()
     def _grad_to_file(self, param: Tensor) -> None:
-        """FSDP2 calls this right after it stores ``param``'s reduced gradient shard: move the
+        """FSDP2 calls this right after it stores ``param``'s reduced gradient shard: write the
         shard into its region of the gradient file (unless FSDP2 accumulated into it in
-        place) and queue that region for write-behind ([Note: gradients on NVMe])."""
+        place), point ``.grad`` at the region and queue it for write-behind ([Note:
+        gradients on NVMe])."""
         grad = param.grad
         entry = self._grads.get(id(param))
         if grad is None or entry is None or self._closed:
@@ -323,7 +347,7 @@ class ParamStore:
         region, view = entry
         local = grad.to_local() if isinstance(grad, DTensor) else grad
         if local.data_ptr() != view.data_ptr():
-            view.copy_(local)
+            pwrite_tensor(region.fd, local, region.start)
             param.grad = (DTensor.from_local(view, grad.device_mesh, grad.placements, run_check=False,
                                              shape=grad.shape, stride=grad.stride())
                           if isinstance(grad, DTensor) else view)

@@ -293,6 +293,18 @@ def write_back(fd: int, addr: int, offset: int, nbytes: int) -> None:
         os.fdatasync(fd) if hasattr(os, "fdatasync") else os.fsync(fd)
 
 
+def pwrite_tensor(fd: int, tensor: torch.Tensor, offset: int) -> None:
+    """Write a CPU tensor's bytes to ``fd`` at ``offset`` (buffered, through the page cache:
+    whole pages are filled without reading what the file held). Releases the GIL."""
+    data = memoryview(tensor.detach().contiguous().view(-1).view(torch.uint8).numpy())
+    done = 0
+    while done < len(data):
+        n = os.pwrite(fd, data[done:], offset + done)
+        if n <= 0:
+            raise OSError(errno.EIO, f"short write to file descriptor {fd} at byte {offset + done}")
+        done += n
+
+
 def wait(futures: list[Future]) -> None:
     for f in futures:
         f.result()
