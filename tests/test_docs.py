@@ -254,6 +254,7 @@ SIGNATURES: dict[tuple[str, str], list[str]] = {
     ("docs/strategy.md", "OffloadConfig(*, device=\"none\""): ["zeropp_strategy:OffloadConfig"],
     ("docs/strategy.md", "OffloadOptimizer(optimizer, config, *"): ["zeropp_strategy.offload:OffloadOptimizer"],
     ("docs/strategy.md", "ParamStore(root, config, *"): ["zeropp_strategy.offload.params:ParamStore"],
+    ("docs/strategy.md", "LocalStepOptimizer(optimizer)"): ["zeropp_strategy.engine.local_step:LocalStepOptimizer"],
     ("docs/strategy.md", "engine = ZeroEngine.start("): ["zeropp_strategy.engine.core:ZeroEngine.start"],
     ("docs/strategy.md", "ZeroPPPrecision(precision=\"32-true\""): [
         "zeropp_strategy:ZeroPPPrecision", "zeropp_strategy:ZeroPPPrecision.bind",

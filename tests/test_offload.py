@@ -477,10 +477,10 @@ def _file_bytes(fd: int, store, p) -> bytes:
 def _write_behind_worker(rank, world, tmp):
     import time
 
-    from zeropp_strategy.offload import params as params_mod
+    from zeropp_strategy.offload import swap as swap_mod  # the write-behind thread calls its write_back
 
     out = {}
-    real_write_back = params_mod.write_back
+    real_write_back = swap_mod.write_back
     ref, ref_opt, _ = _sharded_mlp(world, None)
     model, opt, store = _sharded_mlp(world, tmp)
     for i in range(4):  # the last two steps accumulate two backwards (into the gradient file's views)
@@ -505,7 +505,7 @@ def _write_behind_worker(rank, world, tmp):
         time.sleep(slow.pop() if slow else 0)
         real_write_back(*a)
 
-    params_mod.write_back = slow_write_back
+    swap_mod.write_back = slow_write_back
     t0 = time.perf_counter()
     _mlp_step(ref, ref_opt, None, rank, 4)
     _mlp_step(model, opt, store, rank, 4)
@@ -527,9 +527,9 @@ def _write_behind_worker(rank, world, tmp):
         raise OSError(errno.EIO, "Input/output error")
 
     for where in ("next_step", "close"):
-        params_mod.write_back = real_write_back
+        swap_mod.write_back = real_write_back
         model, opt, store = _sharded_mlp(world, tmp)
-        params_mod.write_back = fail
+        swap_mod.write_back = fail
         _mlp_step(model, opt, store, rank, 0)
         out[where], out[where + "_errno"] = "no error", None
         try:
@@ -542,7 +542,7 @@ def _write_behind_worker(rank, world, tmp):
         except OSError as e:
             out[where], out[where + "_errno"] = str(e), e.errno
             store.close()  # reported once: closing after that is quiet
-    params_mod.write_back = real_write_back
+    swap_mod.write_back = real_write_back
     return out
 
 

@@ -10,7 +10,8 @@ Also checked here, from the same runs:
   optimizer step equal those of the run without accumulation);
 - frozen parameters: no gradient and no optimizer state on any rank;
 - memory: per-rank bytes match the formula of each stage (engine/memory.py), and stage
-  2/3 bytes fall ~1/N from 2 to 4 ranks.
+  2/3 bytes fall ~1/N from 2 to 4 ranks;
+- the optimizer steps local shards at every stage (engine/local_step.py).
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ def _worker(rank: int, world: int) -> dict:
             out["grad_calls"][(vname, stage)] = ledger.totals(CommKind.GRAD_REDUCE).calls
             if vname == "plain":
                 out["memory"][stage] = trainer.strategy.memory_stats().as_dict()
+                out.setdefault("optimizer", {})[stage] = type(trainer.strategy.optimizers[0]).__name__
             if vname == "frozen":
                 frozen = [p for p in model.net.blocks[0].parameters()]
                 opt = trainer.strategy.optimizers[0]
@@ -111,6 +113,15 @@ def test_stage1_is_bit_exact(results):
         for (vname, stage), diff in out["diff"].items():
             if stage == "zeropp_stage_1" and vname != "clip_norm":
                 assert diff == 0.0, (vname, diff)
+
+
+def test_the_exact_stages_step_on_local_shards(results):
+    """The equality above holds with the optimizer stepping local tensors ([Note: the step on
+    local shards]): stage 1 inside ShardedOptimizer, stages 2/3 through LocalStepOptimizer."""
+    _, per_rank = results
+    for out in per_rank:
+        assert out["optimizer"] == {"zeropp_stage_1": "ShardedOptimizer", "zeropp_stage_2": "LocalStepOptimizer",
+                                    "zeropp_stage_3": "LocalStepOptimizer"}, out["optimizer"]
 
 
 def test_accumulation_skips_gradient_communication(results):

@@ -6,8 +6,10 @@ sits below the engine: the engine drives the host optimizer and the parameter st
   plain tensor, and gives the part of it this rank holds (``is_dtensor``, ``local``;
   also importable from ``zeropp_strategy.engine.dtensor``);
 - ``WrappingOptimizer``, the base of the optimizers that wrap the user's (stage 1's
-  ``ShardedOptimizer``, ``OffloadOptimizer``; also importable from
-  ``zeropp_strategy.engine.stage1``).
+  ``ShardedOptimizer``, ``OffloadOptimizer``, ``LocalStepOptimizer``; also importable
+  from ``zeropp_strategy.engine.stage1``);
+- ``follows_param``: whether an optimizer state entry is laid out like its parameter
+  (also importable from ``zeropp_strategy.engine.state``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-__all__ = ["WrappingOptimizer", "is_dtensor", "local"]
+__all__ = ["WrappingOptimizer", "follows_param", "is_dtensor", "local"]
 
 
 def is_dtensor(t: object) -> bool:
@@ -30,6 +32,16 @@ def is_dtensor(t: object) -> bool:
 def local(t: Tensor) -> Tensor:
     """This rank's part: the local shard of a DTensor, the tensor itself otherwise."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def follows_param(key: str, value: Any, param: torch.Tensor) -> bool:
+    """Whether an optimizer state entry is laid out like its parameter (sharded with it).
+
+    torch optimizers keep ``step`` as a plain scalar even for DTensor parameters, while
+    per-element state (``exp_avg``...) takes the parameter's layout; for a 0-dim
+    parameter both are 0-dim, so the shape alone cannot tell them apart.
+    """
+    return isinstance(value, torch.Tensor) and key != "step" and tuple(value.shape) == tuple(param.shape)
 
 
 class WrappingOptimizer(Optimizer):

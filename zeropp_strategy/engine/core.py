@@ -11,8 +11,9 @@ objects is the same and lives here, once:
   FSDP2 with our comm objects (``engine.fsdp.shard_module``), plus NVMe parameter offload
   (``offload.params.ParamStore``) where configured;
 - ``wrap_optimizer``: stage 1's ``ShardedOptimizer``, then ``OffloadOptimizer`` where
-  configured; ``remap_optimizer`` first re-points an optimizer built before sharding at
-  the sharded parameters (by name);
+  configured, else at stages 2/3 ``LocalStepOptimizer`` (the step on the local shards,
+  engine/local_step.py); ``remap_optimizer`` first re-points an optimizer built before
+  sharding at the sharded parameters (by name);
 - ``no_sync`` and ``reduce_replicated_grads`` around backward, ``agree`` for rank-local
   steps that may fail.
 """
@@ -35,6 +36,8 @@ from zeropp_strategy.comm.comm_thread import BackwardDeferral, CommThread, Threa
 from zeropp_strategy.comm.hierarchical import NodeGroups
 from zeropp_strategy.comm.ledger import CommKind, CommLedger
 from zeropp_strategy.config import ZeroConfig
+from zeropp_strategy.engine.local_step import LocalStepOptimizer, steps_locally
+from zeropp_strategy.engine.remap import remap_optimizer
 from zeropp_strategy.engine.memory_plan import MemoryPlan, check_memory_plan
 from zeropp_strategy.engine.fsdp import ShardedRoot, fsdp_modules, materialize, replicated_params, shard_module
 from zeropp_strategy.engine.guards import (  # noqa: F401 - NONFINITE_POLICIES ... re-exported from their old home
@@ -365,7 +368,8 @@ class ZeroEngine:
     # -- optimizers ---------------------------------------------------------------------------
 
     def wrap_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        """Stage 1's sharded state, then host offload, as the config asks. Idempotent."""
+        """Stage 1's sharded state, then host offload, as the config asks; without offload at
+        stages 2/3, the step on local shards ([Note: the step on local shards]). Idempotent."""
         if self.stage == 1 and not isinstance(optimizer, ShardedOptimizer):
             optimizer = ShardedOptimizer(
                 optimizer, self.meshes.world, self.ledger, allgather_bucket_bytes=self.config.allgather_bucket_bytes,
@@ -373,11 +377,15 @@ class ZeroEngine:
             )
         release = self._release_params
         if self.config.offload_optimizer.device != "none":
-            optimizer = self.agree("building the offloaded optimizer", lambda: self._offload(optimizer))
-        elif self.param_stores:
+            return self.agree("building the offloaded optimizer", lambda: self._offload(optimizer))
+        if isinstance(optimizer, LocalStepOptimizer):
+            return optimizer
+        if self.param_stores:
             # The user's optimizer steps the mapped shards in place; drop their pages after.
             params = [p for g in optimizer.param_groups for p in g["params"]]
             optimizer.register_step_post_hook(lambda *_, params=params: release(params))
+        if self.stage >= 2 and steps_locally(optimizer):
+            optimizer = LocalStepOptimizer(optimizer)
         return optimizer
 
     def _release_params(self, params: list[torch.Tensor]) -> None:
@@ -410,43 +418,7 @@ class ZeroEngine:
             return optimizer
         return offload(optimizer)
 
-    @staticmethod
-    def remap_optimizer(
-        optimizer: Optimizer, before: dict[int, str], after: dict[str, nn.Parameter], *, fix: str
-    ) -> int:
-        """Point an optimizer built before sharding at the sharded parameters, by name.
-
-        ``before``: id(original parameter) -> name; ``after``: name -> parameter now.
-        Returns how many parameters were re-pointed. State must be empty (it is keyed by
-        the old parameters), and every parameter must end up one of ``after``'s: one that
-        belongs to no set-up model would be updated where the sharded model never reads
-        it (``fix`` says how to avoid that, in the front-end's words).
-        """
-        moved = 0
-        for group in optimizer.param_groups:
-            new = []
-            for p in group["params"]:
-                name = before.get(id(p))
-                if name is not None and after.get(name) is not None and after[name] is not p:
-                    new.append(after[name])
-                    moved += 1
-                else:
-                    new.append(p)
-            group["params"] = new
-        if moved and len(optimizer.state):
-            raise ValueError(
-                "an optimizer with state was created before the model was sharded, so its state belongs to the "
-                "unsharded parameters. Fix: prepare the model (and the optimizer) before the first step, or load "
-                "the optimizer state after prepare."
-            )
-        known = {id(p) for p in after.values()}
-        stray = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in known]
-        if stray:
-            raise ValueError(
-                f"an optimizer holds {len(stray)} parameters of no model set up for sharding, so it would update "
-                f"copies the sharded model never reads. Fix: {fix}"
-            )
-        return moved
+    remap_optimizer = staticmethod(remap_optimizer)  # engine/remap.py
 
     # -- backward -----------------------------------------------------------------------------
 

@@ -75,6 +75,7 @@ from torch.optim import Optimizer
 from zeropp_strategy.comm.collectives import all_gather_into
 from zeropp_strategy.comm.hierarchical import NodeGroups, PendingWork
 from zeropp_strategy.comm.ledger import CommKind, CommLedger, Phase
+from zeropp_strategy.engine.local_step import local_shards
 from zeropp_strategy.engine.pending_params import PendingParams
 from zeropp_strategy.primitives import WrappingOptimizer as WrappingOptimizer  # re-export: its old home
 
@@ -236,7 +237,8 @@ class ShardedOptimizer(WrappingOptimizer):
         self.wait()  # the update below writes the rows the last gathers send
         self._bind_grads()
         with self.ledger.phase(Phase.OPTIMIZER):
-            self.optimizer.step()
+            with local_shards(self.optimizer):  # [Note: the step on local shards]
+                self.optimizer.step()
             self._start_gathers()
         return loss
 

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
 
 from zeropp_strategy.engine.stage1 import ShardedOptimizer
+from zeropp_strategy.primitives import follows_param as follows_param  # re-export: its old home
 
 
 def to_full_cpu(value: Any, *, keep: bool = True, ledger: Any = None) -> Any:
@@ -64,16 +65,6 @@ def _like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         # src_data_rank=None: every rank already has the full tensor, split locally.
         return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
     return full.to(device=like.device, dtype=like.dtype)
-
-
-def follows_param(key: str, value: Any, param: torch.Tensor) -> bool:
-    """Whether an optimizer state entry is laid out like its parameter (sharded with it).
-
-    torch optimizers keep ``step`` as a plain scalar even for DTensor parameters, while
-    per-element state (``exp_avg``...) takes the parameter's layout; for a 0-dim
-    parameter both are 0-dim, so the shape alone cannot tell them apart.
-    """
-    return isinstance(value, torch.Tensor) and key != "step" and tuple(value.shape) == tuple(param.shape)
 
 
 def full_model_state(module: nn.Module, *, keep: bool = True, ledger: Any = None) -> dict[str, Any]:

@@ -81,10 +81,8 @@ from __future__ import annotations
 import logging
 import mmap
 import resource
-import threading
 import time
 import weakref
-from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -104,7 +102,7 @@ from zeropp_strategy.fsdp_private import (
     wrap_unshard,
 )
 from zeropp_strategy.offload.swap import ALIGN, MappedRegion as _Region, NoPool as _NoPool, SwapDir, SwapFile, align_up
-from zeropp_strategy.offload.swap import pwrite_tensor, start_write_back, write_back
+from zeropp_strategy.offload.swap import WriteBehind as _WriteBehind, pwrite_tensor, write_back
 
 log = logging.getLogger(__name__)
 
@@ -119,100 +117,6 @@ WRITE_BEHIND_LIMIT_BYTES = 512 * 2**20
 """At most this many bytes (or the store's size, if smaller) queued for write-behind: the
 queued regions are dirty pages mapped into the process, counted in its resident size, so
 the queue is part of the memory plan ([Note: the memory plan] in engine/memory_plan.py)."""
-
-
-class _WriteBehind:
-    """The write-behind thread: writes queued regions back, then evicts them.
-
-    Holds no reference to the store, so a store that is garbage collected stops it."""
-
-    def __init__(self, limit_bytes: int) -> None:
-        self._cond = threading.Condition()
-        self._batches: deque[list[tuple[_Region, int]]] = deque()
-        self._limit_bytes = limit_bytes
-        self._stopping = False
-        self.error: Exception | None = None  # the first failure (an OSError naming the file, normally)
-        self.pending_bytes = 0
-        self.written_bytes = 0
-        self.busy_s = 0.0  # this thread, writing and evicting
-        self.wait_s = 0.0  # the training thread, blocked on this one (throttle and flush)
-        self._thread = threading.Thread(target=self._run, name="zeropp-param-write-behind", daemon=True)
-        self._thread.start()
-
-    def submit(self, regions: list[_Region]) -> None:
-        nbytes = sum(r.length for r in regions)
-        if not nbytes:
-            return
-        batch = [(r, r.uses) for r in regions]
-        with self._cond:
-            if self.pending_bytes and self.pending_bytes + nbytes > self._limit_bytes and self.error is None:
-                t0 = time.perf_counter()
-                self._cond.wait_for(lambda: self.pending_bytes + nbytes <= self._limit_bytes or self.error is not None)
-                self.wait_s += time.perf_counter() - t0
-            self._batches.append(batch)
-            self.pending_bytes += nbytes
-            self._cond.notify_all()
-
-    def flush(self) -> None:
-        """Wait until every queued region is written back (or the thread failed)."""
-        with self._cond:
-            if self.pending_bytes:
-                t0 = time.perf_counter()
-                self._cond.wait_for(lambda: not self.pending_bytes)
-                self.wait_s += time.perf_counter() - t0
-
-    def stop(self) -> None:
-        """Flush, then end the thread. Idempotent; a no-op on the thread itself."""
-        if threading.current_thread() is self._thread:
-            return
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
-        self._thread.join()
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._batches or self._stopping)
-                if not self._batches:
-                    return
-                batch = self._batches[0]
-                failed = self.error is not None
-            t0 = time.perf_counter()
-            error = None
-            if not failed:  # after a failure the drive is suspect: the pages stay dirty in the cache
-                try:
-                    self._write(batch)
-                except Exception as e:  # noqa: BLE001 - kept, raised on the training thread
-                    error = e
-            with self._cond:
-                self._batches.popleft()
-                nbytes = sum(r.length for r, _ in batch)
-                self.pending_bytes -= nbytes
-                self.written_bytes += 0 if failed or error else nbytes
-                self.busy_s += time.perf_counter() - t0
-                if error is not None and self.error is None:
-                    self.error = error
-                self._cond.notify_all()
-
-    @staticmethod
-    def _write(batch: list[tuple[_Region, int]]) -> None:
-        for region, _ in batch:  # one queue of writes for the drive, then the waits
-            start_write_back(region.fd, region.start, region.length)
-        for region, uses in batch:
-            try:
-                write_back(region.fd, region.addr, region.start, region.length)
-            except OSError as e:
-                raise OSError(
-                    e.errno,
-                    f"writing {'gradient' if region.path.name.startswith('grads.') else 'parameter'} shards back "
-                    f"to the swap file {region.path} (bytes {region.start} to "
-                    f"{region.start + region.length}) failed: {e.strerror or e}. Fix: check the drive under "
-                    "offload_param.nvme_path (the kernel log names I/O errors), point nvme_path at a healthy local "
-                    "drive, or set offload_param='cpu'",
-                ) from e
-            if region.uses == uses:  # nobody asked for it since: drop it
-                region.evict(drop_cache=True)
 
 
 class ParamStore:
