@@ -3,6 +3,10 @@
     sudo python benchmarks/overlap_timeline.py                 # 200 Mbit/s, zeropp_stage_3 and zeropp
     sudo python benchmarks/overlap_timeline.py --rate unlimited --png /tmp/t.png
 
+``--bf16-matmul fp32`` (the default, as in benchmarks/volume.py): bf16 matmuls run in fp32 and
+are rounded to bf16 (benchmarks/bf16_matmul.py), for CPUs without bf16 matrix instructions,
+where a bf16-mixed step is otherwise all compute; ``native`` runs torch's bf16 kernels.
+
 Runs ``bench_train.py``'s GPT-2 (4 x 256, micro-batch 4 x 128, bf16-mixed) on the simulated
 2-node x 2-rank cluster (benchmarks/simcluster.py) and records, on rank 0, for one step after
 the warm-up, with our own timestamps (``time.perf_counter``):
@@ -34,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def worker(system: str, out: Path, trace_step: int, steps: int) -> None:
+def worker(system: str, out: Path, trace_step: int, steps: int, bf16_matmul: str = "fp32") -> None:
     import torch
     import torch.distributed as dist
     from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
@@ -155,12 +159,20 @@ def worker(system: str, out: Path, trace_step: int, steps: int) -> None:
                       strategy=ZeroPPStrategy(wrap_modules=["GPT2Block"], **OURS[system]), precision="bf16-mixed",
                       callbacks=[Instrument()], logger=False, enable_checkpointing=False, enable_progress_bar=False,
                       enable_model_summary=False, use_distributed_sampler=False)
-    trainer.fit(GPT())
+    import contextlib
+
+    mode = contextlib.nullcontext()
+    if bf16_matmul == "fp32":
+        from benchmarks.bf16_matmul import fp32_matmuls
+
+        mode = fp32_matmuls()
+    with mode:
+        trainer.fit(GPT())
     if dist.get_rank() == 0:
         out.write_text(json.dumps({"system": system, "events": events}))
 
 
-def render(traces: list[dict], png: Path, rate: str) -> None:
+def render(traces: list[dict], png: Path, rate: str, bf16_matmul: str = "fp32") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -181,7 +193,8 @@ def render(traces: list[dict], png: Path, rate: str) -> None:
         ax.set_yticks(range(len(lanes)), lanes)
         ax.invert_yaxis()
         total = step[3] - step[2] if step else 0
-        ax.set_title(f"{trace['system']} at {rate}: one step on rank 0 ({total:.2f} s)", fontsize=10)
+        how = ", bf16 matmuls at fp32 speed" if bf16_matmul == "fp32" else ""
+        ax.set_title(f"{trace['system']} at {rate}{how}: one step on rank 0 ({total:.2f} s)", fontsize=10)
         ax.set_xlabel("seconds from the step's start")
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
@@ -194,10 +207,11 @@ def main() -> None:
     parser.add_argument("--systems", nargs="+", default=["zeropp_stage_3", "zeropp"])
     parser.add_argument("--png", type=Path, default=ROOT / "docs" / "img" / "overlap_timeline.png")
     parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "overlap_timeline.json")
-    parser.add_argument("--worker", nargs=2, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--bf16-matmul", choices=["native", "fp32"], default="fp32")
+    parser.add_argument("--worker", nargs=3, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker[0], Path(args.worker[1]), trace_step=6, steps=8)
+        worker(args.worker[0], Path(args.worker[1]), trace_step=6, steps=8, bf16_matmul=args.worker[2])
         return
     from benchmarks.simcluster import SimCluster
 
@@ -205,14 +219,15 @@ def main() -> None:
     with SimCluster(rate=args.rate) as cluster, tempfile.TemporaryDirectory() as tmp:
         for system in args.systems:
             out = Path(tmp) / f"{system}.json"
-            res = cluster.run([sys.executable, str(Path(__file__).resolve()), "--worker", system, str(out)],
+            res = cluster.run([sys.executable, str(Path(__file__).resolve()), "--worker", system, str(out),
+                               args.bf16_matmul],
                               nproc_per_node=2, timeout_s=600, env={"PYTHONPATH": str(ROOT)})
             if not out.exists():
                 raise SystemExit(f"{system} failed: {res.returncodes}\n" + "\n".join(o[-3000:] for o in res.outputs))
             traces.append(json.loads(out.read_text()))
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"rate": args.rate, "traces": traces}))
-    render(traces, args.png, args.rate)
+    args.json.write_text(json.dumps({"rate": args.rate, "bf16_matmul": args.bf16_matmul, "traces": traces}))
+    render(traces, args.png, args.rate, args.bf16_matmul)
     print(f"wrote {args.png} and {args.json}")
 
 

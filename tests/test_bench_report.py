@@ -100,6 +100,13 @@ def test_volume_page_renders_a_suite_with_its_meta_and_the_earlier_one(tmp_path)
     # both suites carry their own targets: the newest misses its DeepSpeed ratio (failed cell), the earlier meets it
     assert text.count("| 200 Mbit/s: zeropp step <= 0.5 x DeepSpeed ZeRO-3 | - | - |") == 1
     assert text.count("| 200 Mbit/s: zeropp step <= 0.5 x DeepSpeed ZeRO-3 | 0.33x | yes |") == 1
+    # An archived run of the suite sits between the newest and the flat one, its note in the title.
+    archived = {"meta": {**meta, "commit": "0ld0000", "title_note": "before a change"},
+                "cells": newest["cells"], "runs": runs}
+    text = volume.render(newest, tmp_path / "v.md", "python benchmarks/volume.py", P, earlier=[archived, flat])
+    titles = [text.index("fp32 speed (2026-11-25)\n"), text.index("fp32 speed (2026-11-25, before a change)"),
+              text.index("native bf16 matmuls")]
+    assert titles == sorted(titles) and "commit 0ld0000" in text
 
 
 def test_bf16_matmul_stand_in_is_fp32_math_rounded_to_bf16():
