@@ -222,21 +222,32 @@ def _reduce_worker(rank: int, world: int) -> dict:
     from zeropp_strategy.fabric import ZeroPPFabricStrategy
     from zeropp_strategy.topology import Topology
 
+    import warnings
+
     ledger = CommLedger(Topology.detect(world, rank))
     set_default_ledger(ledger)
     try:
         logged = ZeroPPStrategy().reduce(torch.tensor([float(rank), 2.0]), reduce_op="sum")
         summed = ZeroPPFabricStrategy().all_reduce(torch.tensor([1.0]), reduce_op="sum")
+        with warnings.catch_warnings(record=True) as caught:  # Lightning's own all_gather warns under torch 2.13
+            warnings.simplefilter("always")
+            gathered = ZeroPPStrategy().all_gather(torch.tensor([rank, 10 + rank]))
+            fabric_gathered = ZeroPPFabricStrategy().all_gather(torch.tensor([[float(rank)]]))
     finally:
         set_default_ledger(None)
     control = ledger.totals(CommKind.CONTROL)
-    return {"logged": logged.tolist(), "summed": summed.tolist(), "calls": control.calls}
+    return {"logged": logged.tolist(), "summed": summed.tolist(), "calls": control.calls,
+            "gathered": gathered.tolist(), "fabric_gathered": fabric_gathered.tolist(),
+            "warnings": [str(w.message) for w in caught]}
 
 
 def test_framework_reduces_are_booked_as_control():
-    """Lightning's strategy.reduce (self.log(sync_dist=True)) and Fabric's all_reduce are
-    collectives too: the ledger books them as CONTROL."""
+    """Lightning's strategy.reduce (self.log(sync_dist=True)), Fabric's all_reduce and both
+    front-ends' all_gather (self.all_gather) are collectives too: the ledger books them as
+    CONTROL. The gather stacks every rank's tensor in rank order, as Lightning's does, and
+    warns about nothing (Lightning's own takes torch's deprecated torch.distributed.nn path)."""
     from tests._dist import run_ranks
 
     for out in run_ranks(_reduce_worker, 2, init_process_group=True, timeout_s=120):
-        assert out == {"logged": [1.0, 4.0], "summed": [2.0], "calls": 2}, out
+        assert out == {"logged": [1.0, 4.0], "summed": [2.0], "calls": 4, "gathered": [[0, 10], [1, 11]],
+                       "fabric_gathered": [[[0.0]], [[1.0]]], "warnings": []}, out

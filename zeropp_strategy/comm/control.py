@@ -9,6 +9,8 @@ votes of evaluation, the checkpoint path broadcast. They all go through this mod
 Bytes per rank, as the ledger counts them ([Note: ledger byte model] in ledger.py):
 
 - ``all_reduce_flag(t)``: an all-reduce of ``t``'s bytes.
+- ``all_gather_tensor(t)``: an all-gather of ``t``'s bytes (the front-ends' ``all_gather``,
+  e.g. Lightning's ``self.all_gather`` of evaluation scores).
 - ``all_gather_object(obj)``: torch first all-gathers each rank's pickled size (8 bytes),
   then every rank's pickle padded to the largest: 8 + max pickled bytes to every peer. The
   largest size is known only after the exchange, so it is booked after it returns.
@@ -31,7 +33,7 @@ import torch.distributed as dist
 
 from zeropp_strategy.comm.ledger import CommKind, CommLedger
 
-__all__ = ["all_gather_object", "all_reduce_flag", "barrier", "book_control_all_gather", "book_control_all_reduce",
+__all__ = ["all_gather_object", "all_gather_tensor", "all_reduce_flag", "barrier", "book_control_all_gather", "book_control_all_reduce",
            "broadcast_object", "distributed", "set_default_ledger"]
 
 T = TypeVar("T")
@@ -86,6 +88,26 @@ def book_control_all_gather(tensor: torch.Tensor, *, ledger: CommLedger | None =
     who needs the per-rank tensors) as CONTROL."""
     if distributed() and (ledger := _book(ledger)) is not None:
         ledger.record_all_gather(CommKind.CONTROL, tensor.numel() * tensor.element_size(), _ranks(group))
+
+
+# torch 2.13 renames all_gather_into_tensor to all_gather_single (our minimum, 2.9, has only
+# the old name): picked once, so that no call warns.
+_ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def all_gather_tensor(tensor: torch.Tensor, *, ledger: CommLedger | None = None, group: Any = None) -> torch.Tensor:
+    """Every rank's ``tensor`` stacked in rank order, shape ``(world, *tensor.shape)``; the
+    tensor itself without a process group (as Lightning's ``all_gather`` returns it). Not
+    differentiable: what a front-end's ``all_gather(..., sync_grads=False)`` needs, without
+    torch's deprecated ``torch.distributed.nn`` path that Lightning's own takes."""
+    if not distributed():
+        return tensor
+    flat = tensor.contiguous().reshape(-1)
+    world = dist.get_world_size(group)
+    out = torch.empty(world * flat.numel(), dtype=tensor.dtype, device=tensor.device)  # gloo wants it flat
+    _ALL_GATHER_SINGLE(out, flat, group=group)
+    book_control_all_gather(tensor, ledger=ledger, group=group)
+    return out.view(world, *tensor.shape)
 
 
 def all_gather_object(obj: Any, *, ledger: CommLedger | None = None, group: Any = None) -> list[Any]:
