@@ -36,13 +36,43 @@ def test_targets_compare_the_right_cells():
     assert measured == "+1.27%" and met
 
 
+def test_issue_18_step_targets():
+    results = {**RESULTS, "unlimited/zeropp": _cell(0.38, 7e6, 4.0),
+               "200mbit/zeropp_stage_3_bf16": _cell(0.85, 45e6, 3.95)}
+    got = {name: (measured, met) for name, measured, met in bench.targets(results)}
+    assert got["zeropp at 200 Mbit/s <= 1.15 x its unlimited step"] == ("1.05x", True)
+    assert got["unlimited: zeropp step time <= 1.05 x our stage 3"] == ("0.76x", True)
+    assert got["200 Mbit/s: zeropp_stage_3_bf16 step time <= 1.0 x DeepSpeed ZeRO-3"] == ("0.94x", True)
+    got = {name: met for name, _, met in bench.targets(RESULTS)}
+    assert got["zeropp at 200 Mbit/s <= 1.15 x its unlimited step"] is None  # no unlimited zeropp cell
+
+
+def _suite(precision, **extra):
+    cells = json.loads(json.dumps(RESULTS))
+    for c in cells.values():
+        if "step_s" in c:
+            c.update(precision=precision, **extra)
+    return cells
+
+
 def test_render_writes_tables_and_nonempty_plots(tmp_path):
     docs = tmp_path / "docs" / "benchmarks.md"
     docs.parent.mkdir()
-    bench.render(json.loads(json.dumps(RESULTS)), docs, "python benchmarks/run.py")
+    fp32 = json.loads(json.dumps(RESULTS))  # cells from before the precision flag: fp32, marked stale
+    fp32["200mbit/zeropp"]["step_s"] = 0.5
+    bench.render(_suite("bf16-mixed", bf16_matmul="fp32"), docs, second=fp32)
     text = docs.read_text()
-    assert "| zeropp | 0.400 | 0.40x | 0.44x | 7.00 | 6.00 | 4.0000 | 1024 |" in text
+    bf16_at, fp32_at = text.index("## bf16-mixed, as users train"), text.index("## fp32 (`32-true`)")
+    assert bf16_at < fp32_at < text.index("## Plots (bf16-mixed)")
+    assert "Command: `python benchmarks/run.py` (as root)" in text[bf16_at:fp32_at]
+    assert "Command: `python benchmarks/run.py --precision 32-true` (as root)" in text[fp32_at:]
+    assert "`--bf16-matmul fp32`" in text[bf16_at:fp32_at] and "`--bf16-matmul fp32`" not in text[fp32_at:]
+    assert "measured before 2026-11-23" in text[fp32_at:] and "measured before" not in text[:fp32_at]
+    assert "| zeropp | 0.400 | 0.40x | 0.44x | 7.00 | 6.00 | 4.0000 | 1024 |" in text[bf16_at:fp32_at]
+    assert "| zeropp | 0.500 | 0.50x | 0.56x | 7.00 | 6.00 | 4.0000 | 1024 |" in text[fp32_at:]
     assert "| deepspeed_zeropp | failed: ValueError: This op had not been implemented on CPU backend." in text
+    assert "@" not in text.split("## Reading the results")[1]  # every quoted figure filled in
+    assert "ZeRO++ puts 7.0 MB per step on the cross-node link against\n  60.0 MB for plain stage 3" in text
     for name in ("bench_step_time.png", "bench_bytes_per_step.png"):
         png = tmp_path / "docs" / "img" / name
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000

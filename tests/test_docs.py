@@ -483,6 +483,8 @@ def _parse_zeropp(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
     elif sub == "fit":
         from zeropp_strategy.rlhf.cli import fit
 
+        # as from the command line: LightningCLI warns when given args while sys.argv has some (pytest's)
+        monkeypatch.setattr(sys, "argv", ["zeropp"])
         with pytest.raises(SystemExit) as exc:  # LightningCLI validates and prints the config, then exits
             fit([*rest, "--print_config"])
         assert exc.value.code == 0, argv
