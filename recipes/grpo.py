@@ -207,6 +207,10 @@ class GRPOModule(LightningModule):
         # What a recipe would write, so the checkpoint's hyper-parameters stay plain data.
         self.hparams["reward_funcs"] = [import_path(f) for _, f in self.reward_funcs]
         self.automatic_optimization = False
+        if eval_data is None:
+            # No evaluation prompts, no validation: Lightning skips it, quietly, when neither
+            # hook is overridden. (An empty val_dataloader made it warn that its length is zero.)
+            self.validation_step = self.val_dataloader = None  # type: ignore[assignment, method-assign]
         self.reward_names = [n for n, _ in self.reward_funcs] + (["reward_model"] if reward_model is not None else [])
         self.reward_weights = torch.tensor(reward_weights if reward_weights is not None else [1.0] * sources)
         self.actor_spec = actor if actor is not None else tiny_llama_config()

@@ -81,7 +81,8 @@ class PPOModule(LightningModule):
         tokenizer: as ``SFTModule``.
         data: prompts to train on (``prompt`` field of a ``.jsonl``/dataset, or
             ``embedded:addition``, whose SFT prompts are used).
-        eval_data: prompts for validation (reward and, for the embedded task, accuracy).
+        eval_data: prompts for validation (reward and, for the embedded task, accuracy); ``None``: no
+            validation.
         ptx_data: SFT records for the pretraining-loss mixture (``ptx_coef > 0``).
         rollout_batch_size: prompts per rank per step.
         mini_batch_size: sequences per rank per PPO update.
@@ -171,6 +172,10 @@ class PPOModule(LightningModule):
         _check(ema_decay is None or 0 < ema_decay < 1, "ema_decay", ema_decay, "use None or a value in (0, 1)")
         self.save_hyperparameters()
         self.automatic_optimization = False
+        if eval_data is None:
+            # No evaluation prompts, no validation: Lightning skips it, quietly, when neither
+            # hook is overridden. (An empty val_dataloader made it warn that its length is zero.)
+            self.validation_step = self.val_dataloader = None  # type: ignore[assignment, method-assign]
         self.actor_spec = actor if actor is not None else tiny_llama_config()
         self.reward_spec = reward_model if reward_model is not None else tiny_llama_config()
         self.critic_spec, self.reference_spec = critic, reference

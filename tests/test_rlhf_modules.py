@@ -4,6 +4,7 @@ score at the last real token, and keep the reward statistics in the checkpoint."
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
@@ -111,6 +112,7 @@ def test_zeropp_fit_runs_a_recipe_with_command_line_overrides(tmp_path, monkeypa
 
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "sft.yaml"
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["zeropp"])  # as from Python: pytest's own argv is not the command's
     code = main(["fit", "--config", str(recipe), "--trainer.devices", "1", "--trainer.strategy", "auto",
                  "--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1",
                  "--trainer.enable_progress_bar", "false", "--model.lr", "0.0042",

@@ -4,6 +4,8 @@ exported actor loads and generates."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -318,6 +320,7 @@ def test_zeropp_fit_runs_the_ppo_recipe(tmp_path, monkeypatch):
 
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "ppo.yaml"
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["zeropp"])  # as from Python: pytest's own argv is not the command's
     code = main(["fit", "--config", str(recipe), "--trainer.devices", "1", "--trainer.strategy", "auto",
                  "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "1", "--trainer.limit_val_batches", "1",
                  "--trainer.enable_progress_bar", "false", "--model.actor", json.dumps(SMALL),
