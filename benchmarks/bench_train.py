@@ -40,7 +40,6 @@ Measured per cell (rank 0 writes ``--out`` as JSON):
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import resource
@@ -273,12 +272,9 @@ def main() -> None:
 
         stage1.OVERLAP_BUCKETS = args.overlap_buckets
     meter = Meter()
-    mode = contextlib.nullcontext()
-    if args.bf16_matmul == "fp32":
-        from benchmarks.bf16_matmul import fp32_matmuls
+    from benchmarks.bf16_matmul import matmul_mode
 
-        mode = fp32_matmuls()
-    with mode:
+    with matmul_mode(args.bf16_matmul):
         if args.system.startswith("deepspeed"):
             run_deepspeed(args, meter)
         else:

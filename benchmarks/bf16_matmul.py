@@ -74,6 +74,12 @@ def fp32_matmuls() -> Iterator[None]:
             setattr(mod, name, fn)
 
 
+def matmul_mode(choice: str) -> contextlib.AbstractContextManager[None]:
+    """The context a benchmark runs in for its ``--bf16-matmul`` choice: ``fp32_matmuls()``
+    for ``"fp32"``, nothing for ``"native"`` (torch's own bf16 kernels)."""
+    return fp32_matmuls() if choice == "fp32" else contextlib.nullcontext()
+
+
 def _main() -> None:
     import sys
     import time

@@ -159,14 +159,9 @@ def worker(system: str, out: Path, trace_step: int, steps: int, bf16_matmul: str
                       strategy=ZeroPPStrategy(wrap_modules=["GPT2Block"], **OURS[system]), precision="bf16-mixed",
                       callbacks=[Instrument()], logger=False, enable_checkpointing=False, enable_progress_bar=False,
                       enable_model_summary=False, use_distributed_sampler=False)
-    import contextlib
+    from benchmarks.bf16_matmul import matmul_mode
 
-    mode = contextlib.nullcontext()
-    if bf16_matmul == "fp32":
-        from benchmarks.bf16_matmul import fp32_matmuls
-
-        mode = fp32_matmuls()
-    with mode:
+    with matmul_mode(bf16_matmul):
         trainer.fit(GPT())
     if dist.get_rank() == 0:
         out.write_text(json.dumps({"system": system, "events": events}))

@@ -212,9 +212,19 @@ def plot(results: dict, rates: list[str], systems: list[str], img_dir: Path, pre
     return names
 
 
+def _any_cell(results: dict) -> dict:
+    """A measured cell of the suite (what every cell shares: precision, world size...)."""
+    return next((c for c in results.values() if "step_s" in c), {})
+
+
+def _axes(results: dict) -> tuple[list[str], list[str]]:
+    """The suite's link rates and systems, in the page's order."""
+    return ([r for r in RATES if any(k.startswith(r + "/") for k in results)],
+            [s for s in SYSTEMS if any(k.endswith("/" + s) for k in results)])
+
+
 def _precision(results: dict) -> str:
-    any_cell = next((c for c in results.values() if "step_s" in c), {})
-    return any_cell.get("precision", "32-true")  # cells from before the flag existed ran fp32
+    return _any_cell(results).get("precision", "32-true")  # cells from before the flag existed ran fp32
 
 
 def command_for(precision: str) -> str:
@@ -224,9 +234,8 @@ def command_for(precision: str) -> str:
 
 def _suite_lines(results: dict, level: str) -> list[str]:
     """One suite: its command, what it ran, its targets and a table per link speed."""
-    rates = [r for r in RATES if any(k.startswith(r + "/") for k in results)]
-    systems = [s for s in SYSTEMS if any(k.endswith("/" + s) for k in results)]
-    any_cell = next((c for c in results.values() if "step_s" in c), {})
+    rates, systems = _axes(results)
+    any_cell = _any_cell(results)
     precision = _precision(results)
     title = "bf16-mixed, as users train" if precision == "bf16-mixed" else "fp32 (`32-true`)"
     lines = [f"{level} {title}", "", f"Command: `{command_for(precision)}` (as root).", ""]
@@ -279,13 +288,12 @@ def _suite_lines(results: dict, level: str) -> list[str]:
 def render(results: dict, docs: Path, second: dict | None = None) -> None:
     """The page: ``results`` (the bf16-mixed suite, when there is one) with its plots, then
     ``second`` (the other precision's suite) as a section of its own."""
-    rates = [r for r in RATES if any(k.startswith(r + "/") for k in results)]
-    systems = [s for s in SYSTEMS if any(k.endswith("/" + s) for k in results)]
+    rates, systems = _axes(results)
     precision = _precision(results)
     images = plot(results, rates, systems, docs.parent / "img", precision)
     suites = [results, *([second] if second else [])]
     files = " and ".join(f"benchmarks/results/{SUITE_FILES[_precision(r)]}" for r in suites)
-    any_cell = next((c for c in results.values() if "step_s" in c), {})
+    any_cell = _any_cell(results)
     lines = [
         "# Benchmarks: a simulated 2-node cluster, side by side with DDP, FSDP2 and DeepSpeed",
         "",

@@ -121,7 +121,7 @@ def test_volume_page_renders_a_suite_with_its_meta_and_the_earlier_one(tmp_path)
             "precision": "bf16-mixed", "bf16_matmul": "fp32", "cpu_capability": "AVX2",
             "matmul_ms": {"fp32": 3.0, "bf16": 230.0}}
     newest = {"meta": meta, "cells": volume._summarize(runs, {}), "runs": runs}
-    text = volume.render(newest, tmp_path / "v.md", "python benchmarks/volume.py", P, earlier=flat)
+    text = volume.render(newest, tmp_path / "v.md", "python benchmarks/volume.py", P, earlier=[flat])
     first, second = text.index("bf16 matmuls at fp32 speed (2026-11-25)"), text.index("native bf16 matmuls")
     assert first < second
     assert "--repeat 3` (as root), 2026-11-25, commit abc1234" in text and "230 ms in bf16" in text

@@ -1,7 +1,7 @@
 """Layer: front-end (Lightning and Fabric). Process plumbing shared by the Lightning
 (``strategy.py``) and Fabric (``fabric.py``) strategies: world sizes, starting the session
 (``ZeroSession.start`` creates the process group through Lightning's cluster environment),
-barriers and object broadcasts (booked in the session's ledger).
+barriers, object broadcasts and the front-ends' ``all_gather`` (booked in the session's ledger).
 
 Both front-ends' ``ParallelStrategy`` base classes ask for the same members; this mixin,
 listed first among the bases, supplies them once. A host class sets ``config``,
@@ -112,3 +112,9 @@ class ProcessMixin:
         if not _distributed_is_initialized():
             return obj
         return control.broadcast_object(obj, src)
+
+    def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
+        # Lightning's own goes through torch.distributed.nn, deprecated in torch 2.13 (it warns)
+        if sync_grads:
+            return super().all_gather(tensor, group, sync_grads)  # type: ignore[misc]
+        return control.all_gather_tensor(tensor, group=group)

@@ -54,7 +54,7 @@ from torch.optim import Optimizer
 
 from zeropp_strategy._process import ProcessMixin
 from zeropp_strategy.checkpoint_hooks import CheckpointMixin
-from zeropp_strategy.comm.control import all_gather_tensor, book_control_all_reduce
+from zeropp_strategy.comm.control import book_control_all_reduce
 from zeropp_strategy.comm.ledger import CommLedger, Phase
 from zeropp_strategy.config import ZeroConfig
 from zeropp_strategy.engine.core import ZeroEngine
@@ -342,10 +342,6 @@ class StrategyMixin(CheckpointMixin, EvaluationMixin, ProcessMixin):
             book_control_all_reduce(tensor, group=group)  # the framework's own reduce, booked as ours
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
-
-    def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
-        # Lightning's own goes through torch.distributed.nn, deprecated in torch 2.13 (it warns)
-        return super().all_gather(tensor, group, sync_grads) if sync_grads else all_gather_tensor(tensor, group=group)
 
     # -- teardown ------------------------------------------------------------------------
 

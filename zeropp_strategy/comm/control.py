@@ -31,10 +31,11 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from zeropp_strategy.comm.hierarchical import native_all_gather
 from zeropp_strategy.comm.ledger import CommKind, CommLedger
 
-__all__ = ["all_gather_object", "all_gather_tensor", "all_reduce_flag", "barrier", "book_control_all_gather", "book_control_all_reduce",
-           "broadcast_object", "distributed", "set_default_ledger"]
+__all__ = ["all_gather_object", "all_gather_tensor", "all_reduce_flag", "barrier", "book_control_all_gather",
+           "book_control_all_reduce", "broadcast_object", "distributed", "set_default_ledger"]
 
 T = TypeVar("T")
 _SIZE_BYTES = 8  # torch sends each pickle's size as one int64 first
@@ -90,11 +91,6 @@ def book_control_all_gather(tensor: torch.Tensor, *, ledger: CommLedger | None =
         ledger.record_all_gather(CommKind.CONTROL, tensor.numel() * tensor.element_size(), _ranks(group))
 
 
-# torch 2.13 renames all_gather_into_tensor to all_gather_single (our minimum, 2.9, has only
-# the old name): picked once, so that no call warns.
-_ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
 def all_gather_tensor(tensor: torch.Tensor, *, ledger: CommLedger | None = None, group: Any = None) -> torch.Tensor:
     """Every rank's ``tensor`` stacked in rank order, shape ``(world, *tensor.shape)``; the
     tensor itself without a process group (as Lightning's ``all_gather`` returns it). Not
@@ -105,7 +101,7 @@ def all_gather_tensor(tensor: torch.Tensor, *, ledger: CommLedger | None = None,
     flat = tensor.contiguous().reshape(-1)
     world = dist.get_world_size(group)
     out = torch.empty(world * flat.numel(), dtype=tensor.dtype, device=tensor.device)  # gloo wants it flat
-    _ALL_GATHER_SINGLE(out, flat, group=group)
+    native_all_gather(out, flat, group, async_op=False)  # the torch 2.13 name where it exists: no warning
     book_control_all_gather(tensor, ledger=ledger, group=group)
     return out.view(world, *tensor.shape)
 
