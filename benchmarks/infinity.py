@@ -39,21 +39,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-SIZES = {  # name -> (hidden, layers, MLP width); vocabulary 32000, heads of 128
-    "0.1B": (768, 4, 2048),
-    "1.3B": (2048, 22, 5632),
-    "2.1B": (2560, 24, 6912),
-    "4.3B": (3072, 36, 8192),
-    "6.7B": (4096, 32, 11008),
-}
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from llama import SIZES, llama_config, llama_params  # noqa: E402 - the shapes: benchmarks/llama.py
+
 VOCAB, SEQ = 32000, 64
 RESULTS = ROOT / "benchmarks" / "results" / "infinity.json"
 CHECKPOINT_RESULTS = ROOT / "benchmarks" / "results" / "infinity_checkpoint.json"
 PLOT = ROOT / "docs" / "img" / "infinity.png"
-
-
-def llama_params(hidden: int, layers: int, mlp: int) -> int:
-    return layers * (4 * hidden * hidden + 3 * hidden * mlp + 2 * hidden) + 2 * VOCAB * hidden + hidden
 
 
 # -- one job ------------------------------------------------------------------------------
@@ -108,14 +100,13 @@ def run_cell(args: argparse.Namespace) -> None:
     import torch
     from lightning.pytorch import Callback, LightningModule, Trainer
     from torch.utils.data import DataLoader, TensorDataset
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     from zeropp_strategy import ZeroPPStrategy
 
     torch.set_num_threads(1)  # two ranks on two cores
     peak = _Peak()
     peak.start()
-    hidden, layers, mlp = SIZES[args.cell]
 
     class Llama(LightningModule):
         def __init__(self) -> None:
@@ -124,11 +115,8 @@ def run_cell(args: argparse.Namespace) -> None:
 
         def configure_model(self) -> None:
             if self.model is None:
-                cfg = LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, intermediate_size=mlp,
-                                  num_attention_heads=hidden // 128, num_key_value_heads=hidden // 128,
-                                  vocab_size=VOCAB, max_position_embeddings=SEQ, tie_word_embeddings=False)
                 with torch.device("meta"):
-                    self.model = LlamaForCausalLM(cfg)
+                    self.model = LlamaForCausalLM(llama_config(args.cell, SEQ))
 
         def training_step(self, batch, batch_idx):
             (ids,) = batch
@@ -235,7 +223,7 @@ def run_size(name: str, args: argparse.Namespace, *extra: str) -> dict:
             ranks.append(json.loads(f.read_text()))
             f.unlink()
     hidden, layers, mlp = SIZES[name]
-    cell = {"size": name, "hidden": hidden, "layers": layers, "mlp": mlp, "params": llama_params(hidden, layers, mlp),
+    cell = {"size": name, "hidden": hidden, "layers": layers, "mlp": mlp, "params": llama_params(name),
             "wall_s": time.perf_counter() - t0, "returncode": r.returncode, "ranks": ranks}
     if r.returncode != 0 or len(ranks) != 2:
         cell["error"] = r.stderr[-4000:]

@@ -122,6 +122,7 @@ def _loop_worker(rank, world, tmp):
     return out
 
 
+@pytest.mark.compat
 def test_accelerate_loop_matches_ddp_and_resumes_exactly(tmp_path):
     # The reference is plain Accelerate, which needs to be told to use the CPU under torchrun.
     per_rank = run_ranks(_loop_worker, 2, (str(tmp_path),), timeout_s=600, env={"ACCELERATE_USE_CPU": "true"})

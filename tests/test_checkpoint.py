@@ -104,6 +104,7 @@ def _resume_worker(rank, world, tmp):
     return out
 
 
+@pytest.mark.compat
 def test_resume_is_bit_exact(tmp_path):
     per_rank = run_ranks(_resume_worker, 2, (str(tmp_path),), timeout_s=600)
     for rank, out in enumerate(per_rank):

@@ -26,6 +26,8 @@ from tests._dist import run_ranks
 from zeropp_strategy import fsdp_private
 from zeropp_strategy.fsdp_private import UnsupportedTorchError
 
+pytestmark = pytest.mark.compat  # the whole file: the adapter is what changes between torch releases
+
 REPO = Path(__file__).resolve().parents[1]
 ADAPTER = REPO / "zeropp_strategy" / "fsdp_private.py"
 SOURCES = ("zeropp_strategy", "callbacks", "recipes")
@@ -96,7 +98,8 @@ def private_uses(source: str, names: frozenset[str]) -> list[tuple[int, str]]:
 
 def test_the_adapter_names_are_read_from_its_source() -> None:
     names = wrapped_names()
-    core = {"_get_fsdp_state", "_fsdp_param_groups", "_auto_reshard_after_forward", "post_forward_mesh_info",
+    core = {"_get_fsdp_state", "_fsdp_param_groups", "_fsdp_param_group", "_auto_reshard_after_forward",
+            "post_forward_mesh_info",
             "fsdp_params", "_sharded_param_data", "padded_sharded_param_size", "_all_gather_result",
             "is_unsharded", "_set_unshard_async_op", "sharded_param"}
     assert core <= names, sorted(core - names)
@@ -146,14 +149,20 @@ def test_the_scan_finds_every_kind_of_private_use() -> None:
 
 def _assert_clear(error: UnsupportedTorchError, name: str) -> None:
     text = str(error)
-    for part in (name, f"torch {torch.__version__}", "torch>=2.9", "checked on torch 2.13", "Fix: install a checked "
-                 "torch (pip install 'torch==2.13.*')", "zeropp_strategy/fsdp_private.py"):
+    newest = fsdp_private.CHECKED_TORCH[-1]
+    for part in (name, f"torch {torch.__version__}", "torch>=2.11", "checked on torch 2.11, 2.12, 2.13, 2.14",
+                 f"Fix: install a checked torch (pip install 'torch=={newest}.*')", "zeropp_strategy/fsdp_private.py"):
         assert part in text, (part, text)
 
 
 def test_installed_torch_passes_the_check() -> None:
     fsdp_private.check_torch()
-    assert fsdp_private.SUPPORTED_TORCH == ">=2.9" and "2.13" in fsdp_private.CHECKED_TORCH
+    assert fsdp_private.SUPPORTED_TORCH == ">=2.11"
+    assert fsdp_private.CHECKED_TORCH == ("2.11", "2.12", "2.13", "2.14")
+    # The installed torch is one the names were read from (the suite on 2.13, CI's compatibility runs on 2.11 and
+    # 2.14): a run on another torch fails here first, naming it, instead of somewhere deep in FSDP2.
+    installed = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    assert installed in fsdp_private.CHECKED_TORCH, (torch.__version__, fsdp_private.CHECKED_TORCH)
     pins = [line for line in (REPO / "pyproject.toml").read_text().splitlines() if line.strip().startswith('"torch')]
     assert pins == [f'    "torch{fsdp_private.SUPPORTED_TORCH}",'], pins  # the range the error names is the real one
 
@@ -176,17 +185,45 @@ def test_missing_comm_bases_raise_a_clear_error(monkeypatch: pytest.MonkeyPatch)
     _assert_clear(info.value, "torch.distributed.fsdp._no_such_module.AllGather / ReduceScatter")
 
 
-def test_a_missing_instance_name_raises_on_first_use() -> None:
-    class State:  # what a torch that renamed the groups list would hand back
-        _fsdp_param_group = None
-
+def _block(state: object) -> object:
     class Block:
-        def _get_fsdp_state(self) -> State:
-            return State()
+        def _get_fsdp_state(self) -> object:
+            return state
+
+    return Block()
+
+
+def test_groups_are_read_from_either_torch_layout() -> None:
+    """torch 2.12+ keep a list of groups; torch 2.11 one optional group. The suite runs
+    one torch at a time, so both layouts are checked here on stand-ins (and for real on
+    each torch by test_the_adapter_on_a_real_fsdp2_model in CI's compatibility runs)."""
+    group, other = object(), object()
+
+    class State211:
+        def __init__(self, group: object) -> None:
+            self._fsdp_param_group = group
+
+    class State213:
+        def __init__(self, groups: list) -> None:
+            self._fsdp_param_groups = groups
+
+        @property
+        def _fsdp_param_group(self) -> object:  # 2.12+: refuses more than one group
+            raise AssertionError("the singular property must not be read where the list exists")
+
+    assert fsdp_private.param_groups(_block(State211(group))) == [group]  # type: ignore[arg-type]
+    assert fsdp_private.param_groups(_block(State211(None))) == []  # type: ignore[arg-type]
+    assert fsdp_private.param_groups(_block(State213([group, other]))) == [group, other]  # type: ignore[arg-type]
+    assert fsdp_private.param_groups(_block(State213([]))) == []  # type: ignore[arg-type]
+
+
+def test_a_missing_instance_name_raises_on_first_use() -> None:
+    class State:  # what a torch that renamed both the groups list and the single group would hand back
+        _param_groups: list = []
 
     with pytest.raises(UnsupportedTorchError) as info:
-        fsdp_private.param_groups(Block())  # type: ignore[arg-type]
-    _assert_clear(info.value, "State._fsdp_param_groups")
+        fsdp_private.param_groups(_block(State()))  # type: ignore[arg-type]
+    _assert_clear(info.value, "State._fsdp_param_groups (torch 2.12+) or _fsdp_param_group (torch 2.11)")
 
     class Group:
         fsdp_params: list = []

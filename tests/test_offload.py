@@ -628,6 +628,7 @@ def test_nvme_parameters_write_behind_and_residency(tmp_path):
         assert r["prefetch_calls"] >= 8 and r["prefetch_hits"] == r["prefetch_calls"], r
 
 
+@pytest.mark.compat
 def test_every_offload_mode_trains_like_no_offload(tmp_path):
     per_rank = run_ranks(_parity_worker, 2, (str(tmp_path),), timeout_s=900)
     for rank, out in enumerate(per_rank):

@@ -164,3 +164,30 @@ def test_ci_runs_the_readme_test_command() -> None:
     assert "set -euo pipefail" in text
     assert TEST_MARKER in text and "README.md" in text and 'eval "$test_command"' in text
     assert "pip install torch==2.13.0" in text
+
+
+def test_ci_runs_the_compatibility_selection_on_the_floor_and_the_newest_torch() -> None:
+    """.ci/run ends with the `compat` tests on torch 2.11 (pyproject.toml's floor, the GPU
+    image's) and the newest release that resolves, each a torch fsdp_private.py was checked
+    on; the selection covers what the issue of record asks of it."""
+    from zeropp_strategy import fsdp_private
+
+    compat = REPO / ".ci" / "compat"
+    assert os.access(compat, os.X_OK), ".ci/compat must be executable"
+    assert "set -euo pipefail" in compat.read_text() and "-m compat" in compat.read_text()
+    (line,) = [ln for ln in (REPO / ".ci" / "run").read_text().splitlines() if ln.startswith("bash .ci/compat")]
+    versions = line.split()[2:]
+    assert versions[0] == "2.11.0" and len(versions) == 2, versions
+    floor = fsdp_private.SUPPORTED_TORCH.removeprefix(">=")
+    assert versions[0].startswith(floor + ".")
+    for v in versions:
+        assert ".".join(v.split(".")[:2]) in fsdp_private.CHECKED_TORCH, (v, fsdp_private.CHECKED_TORCH)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "compat", "-p",
+                           "no:cacheprovider"], cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    ids = [ln for ln in proc.stdout.splitlines() if "::" in ln]
+    covered = {i.split("::")[0].removeprefix("tests/") for i in ids}
+    assert covered == {"test_fsdp_private.py", "test_parity.py", "test_zeropp.py", "test_checkpoint.py",
+                       "test_offload.py", "test_accelerate.py", "test_rlhf_ppo.py"}, covered
+    assert "tests/test_parity.py::test_parameters_equal_ddp[2ranks]" in ids
+    assert not any("[4ranks]" in i for i in ids)  # a few minutes: 2 ranks only

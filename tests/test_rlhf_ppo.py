@@ -276,6 +276,7 @@ def two_ranks(tmp_path_factory):
     return run_ranks(_ppo_run, 2, (str(tmp_path_factory.mktemp("ppo")),), timeout_s=600)
 
 
+@pytest.mark.compat
 def test_ppo_steps_under_stage3_equal_ddp(two_ranks):
     for result in two_ranks:
         ddp, zero = torch.tensor(result["ddp"]), torch.tensor(result["zeropp_stage_3"])
@@ -297,6 +298,7 @@ def test_ppo_runs_without_fsdp_view_warnings(two_ranks):
         assert not views, views[:1]
 
 
+@pytest.mark.compat
 def test_stage3_generation_gathers_each_block_once(two_ranks):
     result = two_ranks[0]
     once, per_token = result["gather_calls"][True], result["gather_calls"][False]

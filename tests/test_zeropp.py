@@ -192,6 +192,7 @@ def test_int8_frozen_weights_train_under_zeropp(training):
         assert frozen["comm"]["param_allgather_bwd"]["inter_bytes"] > 0
 
 
+@pytest.mark.compat
 def test_zeropp_trains_like_stage3(training):
     # 30 steps (the 200-step run is benchmarks/zeropp_convergence.py): within 5%.
     for out in training:

@@ -6,7 +6,7 @@ FSDP2's public surface (``fully_shard``, ``FSDPModule``, the policies) covers al
 we need. Where it does not, we reach inside, and only here:
 
 - the comm-object bases ``AllGather`` / ``ReduceScatter``: public API (what
-  ``set_custom_all_gather`` / ``set_custom_reduce_scatter`` take), but torch 2.9-2.13
+  ``set_custom_all_gather`` / ``set_custom_reduce_scatter`` take), but torch 2.11-2.14
   export them only from the private ``torch.distributed.fsdp._fully_shard._fsdp_api``;
 - a module's parameter groups and their parameters (``param_groups``, ``group_params``):
   FSDP2 has no public handle on them; the NVMe ``ParamStore`` needs them to re-home each
@@ -16,11 +16,25 @@ we need. Where it does not, we reach inside, and only here:
   be undone (it forgets whether FSDP2 chose the setting itself and any hpZ secondary
   shard), so generation's gather-once rule saves and restores the private state;
 - ``set_unshard_async``: asynchronous unshards on the host ([Note: prefetch] in
-  engine/fsdp.py), a private method in torch 2.9-2.13.
+  engine/fsdp.py), a private method in torch 2.11-2.14.
 
 Policy: no other module of the package imports a private module of
 ``torch.distributed.fsdp`` or reads the private names used here; tests/test_fsdp_private.py
 scans the source for them. So a torch release that renames one breaks here, in one place.
+
+Per version. The names were read from FSDP2's source of torch 2.11, 2.12, 2.13 and 2.14
+(``CHECKED_TORCH``) and are exercised by the suite on 2.13 and by CI's compatibility runs
+on 2.11 and 2.14 (``.ci/compat``). One name differs between them:
+
+==========================  =============================================================
+FSDPState's groups          torch 2.11: ``_fsdp_param_group``, one group or None;
+                            torch 2.12+: ``_fsdp_param_groups``, a list (grouped
+                            ``fully_shard([a, b])`` puts several in one state; the
+                            singular became a property that refuses more than one)
+==========================  =============================================================
+
+every other name is the same in all four. ``_state_groups`` reads whichever the installed
+torch has, so the callers see a list on every version.
 
 Version check. At import, the names that can be seen without a sharded module (the
 comm-object bases, ``FSDPModule._get_fsdp_state``) are looked up; the others FSDP2 sets on
@@ -63,9 +77,9 @@ __all__ = [
     "wrap_unshard",
 ]
 
-SUPPORTED_TORCH = ">=2.9"
+SUPPORTED_TORCH = ">=2.11"
 """The torch versions pyproject.toml allows."""
-CHECKED_TORCH = ("2.13",)
+CHECKED_TORCH = ("2.11", "2.12", "2.13", "2.14")
 """The torch versions whose FSDP2 source these private names were read from and tested on."""
 
 _API_MODULE = "torch.distributed.fsdp._fully_shard._fsdp_api"
@@ -137,7 +151,20 @@ def param_groups(module: FSDPModule) -> list[Any]:
     created: the unit FSDP2 all-gathers and reduce-scatters. Empty for a module that
     was given no parameters of its own (its children's belong to their own groups)."""
     state = _attr(module, "_get_fsdp_state", _WHY_STATE)()
-    return list(_attr(state, "_fsdp_param_groups", _WHY_GROUPS))
+    return _state_groups(state)
+
+
+def _state_groups(state: Any) -> list[Any]:
+    """The groups of one FSDP state as a list, on every checked torch: 2.12+ keep a list
+    (``_fsdp_param_groups``); 2.11 keeps one optional group (``_fsdp_param_group``)."""
+    groups = getattr(state, "_fsdp_param_groups", _ABSENT)
+    if groups is not _ABSENT:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", _ABSENT)  # torch 2.11
+    if group is _ABSENT:
+        raise _missing(f"{type(state).__name__}._fsdp_param_groups (torch 2.12+) or _fsdp_param_group (torch 2.11)",
+                       _WHY_GROUPS)
+    return [] if group is None else [group]
 
 
 def group_params(group: Any) -> list[Any]:
@@ -224,7 +251,7 @@ def keep_unsharded_after_forward(block: FSDPModule) -> Iterator[None]:
     alone would lose."""
     state = _attr(block, "_get_fsdp_state", _WHY_STATE)()
     auto = _attr(state, "_auto_reshard_after_forward", "whether FSDP2 chose reshard_after_forward itself")
-    groups = list(_attr(state, "_fsdp_param_groups", _WHY_GROUPS))
+    groups = _state_groups(state)
     mesh_infos = [_attr(g, "post_forward_mesh_info", "a group's mesh after forward (hpZ)") for g in groups]
     block.set_reshard_after_forward(False, recurse=False)
     try:

@@ -1,0 +1,43 @@
+"""The Llama shapes the benchmarks train (infinity.py, gpu/parts.py): one table, one builder.
+
+    from llama import SIZES, llama_config, llama_params
+    cfg = llama_config("1.3B", seq=2048)      # a transformers LlamaConfig, untied embeddings
+
+Heads of 128 (at least one), as many KV heads as heads, vocabulary 32000 (the ``tiny``
+shapes, for dry runs on a CPU: 256).
+"""
+
+from __future__ import annotations
+
+SIZES = {  # name -> (hidden, layers, MLP width)
+    "tiny": (64, 2, 128),
+    "tiny2": (96, 2, 192),
+    "0.1B": (768, 4, 2048),
+    "1B": (2048, 16, 5632),
+    "1.3B": (2048, 22, 5632),
+    "2.1B": (2560, 24, 6912),
+    "2.7B": (2560, 32, 6912),
+    "4.3B": (3072, 36, 8192),
+    "6.7B": (4096, 32, 11008),
+    "13B": (5120, 40, 13824),
+}
+
+
+def vocab_size(size: str) -> int:
+    return 256 if size.startswith("tiny") else 32000
+
+
+def llama_params(size: str) -> int:
+    """Parameters of ``llama_config(size)``'s model: blocks, two untied embeddings, the final norm."""
+    hidden, layers, mlp = SIZES[size]
+    return layers * (4 * hidden * hidden + 3 * hidden * mlp + 2 * hidden) + 2 * vocab_size(size) * hidden + hidden
+
+
+def llama_config(size: str, seq: int):
+    from transformers import LlamaConfig
+
+    hidden, layers, mlp = SIZES[size]
+    heads = max(1, hidden // 128)
+    return LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, intermediate_size=mlp, num_attention_heads=heads,
+                       num_key_value_heads=heads, vocab_size=vocab_size(size), max_position_embeddings=seq,
+                       tie_word_embeddings=False)
