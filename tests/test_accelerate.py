@@ -22,6 +22,8 @@ import torch
 
 from tests._dist import free_port, run_ranks
 
+pytestmark = pytest.mark.timeout(660)  # its longest run_ranks timeout + 60 s (pyproject's 300 s would cut it)
+
 TOL = 1e-6
 ROOT = Path(__file__).resolve().parents[1]
 

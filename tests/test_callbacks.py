@@ -7,6 +7,8 @@ import pytest
 
 from tests._dist import run_ranks
 
+pytestmark = pytest.mark.timeout(360)  # its longest run_ranks timeout + 60 s (pyproject's 300 s would cut it)
+
 
 def _worker(rank: int, world: int, stage: int) -> dict:
     import torch

@@ -20,6 +20,8 @@ import torch
 
 from tests._dist import run_ranks
 
+pytestmark = pytest.mark.timeout(660)  # its longest run_ranks timeout + 60 s (pyproject's 300 s would cut it)
+
 STAGES = ("zeropp_stage_1", "zeropp_stage_2", "zeropp_stage_3")
 
 

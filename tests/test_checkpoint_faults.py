@@ -22,6 +22,8 @@ import torch
 
 from tests._dist import run_ranks
 
+pytestmark = pytest.mark.timeout(360)  # its longest run_ranks timeout + 60 s (pyproject's 300 s would cut it)
+
 WIDTH = 128  # Net(width=128): ~2.4 MB per checkpoint with AdamW state, so a shard dominates it
 
 

@@ -15,6 +15,8 @@ import torch
 
 from tests._dist import run_ranks
 
+pytestmark = pytest.mark.timeout(660)  # its longest run_ranks timeout + 60 s (pyproject's 300 s would cut it)
+
 TOL = 1e-6
 STAGES = ("zeropp_stage_1", "zeropp_stage_2", "zeropp_stage_3")
 

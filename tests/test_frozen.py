@@ -24,6 +24,8 @@ from zeropp_strategy.engine.frozen import (
     quantize_rows,
 )
 
+pytestmark = pytest.mark.timeout(360)  # its longest run_ranks timeout + 60 s (pyproject's 300 s would cut it)
+
 B = 32  # block size of the distributed scenarios (rows of 32 and 64 elements)
 
 

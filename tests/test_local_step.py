@@ -19,6 +19,8 @@ import torch
 
 from tests._dist import run_ranks
 
+pytestmark = pytest.mark.timeout(360)  # its longest run_ranks timeout + 60 s (pyproject's 300 s would cut it)
+
 CASES = [  # (class name, keyword arguments)
     ("AdamW", {"lr": 1e-2, "weight_decay": 0.1}),
     ("AdamW", {"lr": 1e-2, "amsgrad": True, "foreach": True}),

@@ -24,6 +24,8 @@ from zeropp_strategy.config import ZeroConfig
 from zeropp_strategy.engine import memory_plan
 from zeropp_strategy.engine.memory_plan import RUNTIME_BYTES, plan_memory
 
+pytestmark = pytest.mark.timeout(660)  # its longest run_ranks timeout + 60 s (pyproject's 300 s would cut it)
+
 GiB = 2**30
 TOL = 1e-5  # AdamW on the host vs on the device: a few ulps (tests/test_offload.py's bound)
 

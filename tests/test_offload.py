@@ -28,6 +28,8 @@ from tests._dist import run_ranks
 from zeropp_strategy.config import OffloadConfig
 from zeropp_strategy.offload import OffloadOptimizer
 
+pytestmark = pytest.mark.timeout(960)  # its longest run_ranks timeout + 60 s (pyproject's 300 s would cut it)
+
 TOL_FUSED = 1e-6
 
 

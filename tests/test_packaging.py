@@ -191,3 +191,19 @@ def test_ci_runs_the_compatibility_selection_on_the_floor_and_the_newest_torch()
                        "test_offload.py", "test_accelerate.py", "test_rlhf_ppo.py"}, covered
     assert "tests/test_parity.py::test_parameters_equal_ddp[2ranks]" in ids
     assert not any("[4ranks]" in i for i in ids)  # a few minutes: 2 ranks only
+
+
+def test_no_spawned_job_outlives_its_tests_timeout() -> None:
+    """pytest-timeout's limit (pyproject's ``timeout``, or a module's ``pytestmark``) covers
+    a test's fixtures too: a ``run_ranks(..., timeout_s=N)`` above it would be cut off by the
+    limit before its own, more telling timeout (issue 33: one slow fixture stopped a run)."""
+    default = int(re.search(r"^timeout = (\d+)", (REPO / "pyproject.toml").read_text(), re.M).group(1))
+    short = []
+    for path in sorted((REPO / "tests").glob("test_*.py")):
+        text = path.read_text()
+        spawned = [int(v) for v in re.findall(r"timeout_s=(\d+)", text)]
+        marked = re.search(r"^pytestmark = .*pytest\.mark\.timeout\((\d+)\)", text, re.M)
+        limit = int(marked.group(1)) if marked else default
+        if spawned and max(spawned) >= limit:
+            short.append(f"{path.name}: run_ranks timeout_s={max(spawned)} >= the test timeout {limit}")
+    assert not short, short

@@ -19,6 +19,8 @@ import torch
 from tests._dist import run_ranks
 from zeropp_strategy.comm.hierarchical import ring_blocks
 
+pytestmark = pytest.mark.timeout(360)  # its longest run_ranks timeout + 60 s (pyproject's 300 s would cut it)
+
 SMALL, LARGE = 37, 700_001  # per rank: gloo cuts 2W segments; 12 from 11 MB (4 ranks only)
 
 

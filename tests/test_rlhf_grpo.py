@@ -14,6 +14,8 @@ from tests.test_rlhf_ppo import _trainer  # one process, quiet, limit_train_batc
 from zeropp_strategy.rlhf import grpo_ops
 from zeropp_strategy.rlhf.models import tiny_llama_config
 
+pytestmark = pytest.mark.timeout(660)  # its longest run_ranks timeout + 60 s (pyproject's 300 s would cut it)
+
 SMALL = tiny_llama_config(hidden_size=32, intermediate_size=64, num_hidden_layers=2)
 ARGS = dict(actor=SMALL, rollout_batch_size=4, num_generations=4, mini_batch_size=8, max_new_tokens=4, lr=1e-3,
             eval_data=None)

@@ -15,6 +15,8 @@ from zeropp_strategy.rlhf import ops
 from zeropp_strategy.rlhf.generation import sample
 from zeropp_strategy.rlhf.models import build_causal_lm, positions, tiny_llama_config
 
+pytestmark = pytest.mark.timeout(660)  # its longest run_ranks timeout + 60 s (pyproject's 300 s would cut it)
+
 SMALL = tiny_llama_config(hidden_size=32, intermediate_size=64, num_hidden_layers=2)
 PPO_ARGS = dict(actor=SMALL, reward_model=SMALL, rollout_batch_size=8, mini_batch_size=4, ppo_epochs=2,
                 max_new_tokens=6, temperature=0.7, eval_data=None, actor_lr=1e-3, critic_lr=1e-3, kl_coef=0.1)

@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import functools
 
+import pytest
+
 from tests._dist import run_ranks
+
+pytestmark = pytest.mark.timeout(960)  # its longest run_ranks timeout + 60 s (pyproject's 300 s would cut it)
 
 STAGES = (1, 2, 3)
 STEPS = 2

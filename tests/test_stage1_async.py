@@ -22,7 +22,11 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from tests._dist import run_ranks
+
+pytestmark = pytest.mark.timeout(460)  # its longest run_ranks timeout + 60 s (pyproject's 300 s would cut it)
 
 TOL = 1e-6
 # 4 ranks: our partitioned reduce sums in rank order, gloo's ring in ring order; AdamW turns

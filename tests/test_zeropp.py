@@ -9,6 +9,8 @@ import torch
 
 from tests._dist import run_ranks
 
+pytestmark = pytest.mark.timeout(660)  # its longest run_ranks timeout + 60 s (pyproject's 300 s would cut it)
+
 WORLD, NODES = 4, 2
 
 
