@@ -7,7 +7,7 @@
 
 Each size is one 2-rank CPU job (Lightning, ``ZeroPPStrategy(stage=3)`` with
 ``offload_param`` and ``offload_optimizer`` on NVMe under ``--nvme``, the memory plan's
-``host_memory_budget_bytes=--budget``), a ``LlamaForCausalLM`` built on the meta device in
+``host_memory_budget_bytes=--budget``), a ``LlamaForCausalLM`` built (by the strategy, on the meta device) in
 ``configure_model`` (fp32 weights, ``precision="32-true"``: this CPU has no bf16 matrix
 units, a bf16 matmul is about 60x slower than fp32 here, see ``matmul_ms`` in the JSON), AdamW,
 micro-batch 1 x 64 tokens, the same batch every step (so the loss must fall), ``--steps``
@@ -114,9 +114,8 @@ def run_cell(args: argparse.Namespace) -> None:
             self.model = None
 
         def configure_model(self) -> None:
-            if self.model is None:
-                with torch.device("meta"):
-                    self.model = LlamaForCausalLM(llama_config(args.cell, SEQ))
+            if self.model is None:  # as README tells users: the strategy builds it on the meta device
+                self.model = LlamaForCausalLM(llama_config(args.cell, SEQ))
 
         def training_step(self, batch, batch_idx):
             (ids,) = batch

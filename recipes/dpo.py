@@ -14,7 +14,7 @@ import torch
 
 from zeropp_strategy.recipes.base import PairDatasetModule
 from zeropp_strategy.rlhf import ops
-from zeropp_strategy.rlhf.models import apply_lora, build_causal_lm, disable_dropout
+from zeropp_strategy.rlhf.models import apply_lora, build_causal_lm, built_for_real, disable_dropout
 
 __all__ = ["DPOModule", "sequence_logprobs"]
 
@@ -76,6 +76,7 @@ class DPOModule(PairDatasetModule):
         #: with precompute_reference: split -> [records, 2] summed log-probs (chosen, rejected)
         self.reference_logps: dict[str, torch.Tensor] = {}
 
+    @built_for_real
     def configure_model(self) -> None:
         if self.policy is not None:
             return

@@ -52,6 +52,7 @@ from zeropp_strategy.rlhf.models import (
     ScalarHeadModel,
     apply_lora,
     build_causal_lm,
+    built_for_real,
     disable_dropout,
     build_tokenizer,
     positions,
@@ -227,6 +228,7 @@ class GRPOModule(LightningModule):
 
     # -- networks ---------------------------------------------------------------------------
 
+    @built_for_real
     def configure_model(self) -> None:
         if self.actor is not None:
             return

@@ -51,6 +51,7 @@ from zeropp_strategy.rlhf.models import (
     ScalarHeadModel,
     apply_lora,
     build_causal_lm,
+    built_for_real,
     disable_dropout,
     build_tokenizer,
     positions,
@@ -193,6 +194,7 @@ class PPOModule(LightningModule):
 
     # -- networks ---------------------------------------------------------------------------
 
+    @built_for_real
     def configure_model(self) -> None:
         if self.actor is not None:
             return

@@ -15,7 +15,7 @@ import torch
 
 from zeropp_strategy.recipes.base import PairDatasetModule
 from zeropp_strategy.rlhf import ops
-from zeropp_strategy.rlhf.models import ScalarHeadModel, apply_lora, build_causal_lm
+from zeropp_strategy.rlhf.models import ScalarHeadModel, apply_lora, build_causal_lm, built_for_real
 
 __all__ = ["RewardModule"]
 
@@ -64,6 +64,7 @@ class RewardModule(PairDatasetModule):
         self.reward_mean, self.reward_std = 0.0, 1.0
         self._val_scores: list[torch.Tensor] = []
 
+    @built_for_real
     def configure_model(self) -> None:
         if self.model is None:
             spec = self.model_spec

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 
 from zeropp_strategy.recipes.base import DatasetModule
 from zeropp_strategy.rlhf.data import SFTCollator
-from zeropp_strategy.rlhf.models import apply_lora, build_causal_lm
+from zeropp_strategy.rlhf.models import apply_lora, build_causal_lm, built_for_real
 
 __all__ = ["SFTModule"]
 
@@ -73,6 +73,7 @@ class SFTModule(DatasetModule):
         self.lora = lora
         self.model: torch.nn.Module | None = None
 
+    @built_for_real
     def configure_model(self) -> None:
         if self.model is None:
             # train(): from_pretrained returns a model in eval mode, and Lightning keeps the

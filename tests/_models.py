@@ -65,7 +65,8 @@ class ParityModule(LightningModule):
         if self.net is not None:
             return
         torch.manual_seed(1234)  # same init on every rank and under every strategy
-        self.net = Net()
+        self.net = Net()  # on the meta device at stages 2/3 (ZeroConfig.meta_init), real otherwise
+        self.built_on_meta = all(p.is_meta for p in self.net.parameters())
         if self.freeze_first_block:
             self.net.blocks[0].requires_grad_(False)
 

@@ -501,6 +501,7 @@ _FIELD_VALUES = {
     "wrap_modules": _mostly(st.one_of(_names, _names.map(tuple), st.sampled_from(["GPT2Block", LlamaDecoderLayer]))),
     "wrap_min_params": _mostly(st.integers(0, 10**7)),
     "activation_checkpointing": _mostly(st.booleans()),
+    "meta_init": _mostly(st.booleans()),
     "reduce_bucket_bytes": _mostly(st.integers(1000, 2**30)),
     "allgather_bucket_bytes": _mostly(st.integers(1000, 2**30)),
     "overlap_param_gather": _mostly(st.booleans()),

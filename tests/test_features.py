@@ -13,6 +13,8 @@ import pytest
 
 from tests._dist import run_ranks
 
+pytestmark = pytest.mark.timeout(1260)  # its longest run_ranks timeout + 60 s (pyproject's 300 s would cut it)
+
 STAGES = ("zeropp_stage_1", "zeropp_stage_2", "zeropp_stage_3")
 WORLD = 2
 
@@ -275,10 +277,14 @@ def scenario_lora(rank):
     t.fit(ref_model)
     ref = _full_state(t, ref_model)
     out = {}
+    from zeropp_strategy import PRESETS, ZeroPPStrategy
+
     for stage in STAGES:
         seed_everything(0)
         m = LoraLlama()
-        t = _trainer(stage, max_steps=6)
+        # built for real, as under DDP (the reference): a Hugging Face model built on the meta
+        # device gets _init_weights only, not a real build's values (tests/test_meta_init.py)
+        t = _trainer(ZeroPPStrategy(**PRESETS[stage], meta_init=False), max_steps=6)
         t.fit(m)
         opt = t.strategy.optimizers[0]
         inner = getattr(opt, "optimizer", opt)

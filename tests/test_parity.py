@@ -20,6 +20,8 @@ import pytest
 
 from tests._dist import run_ranks
 
+pytestmark = pytest.mark.timeout(960)  # its longest run_ranks timeout + 60 s (pyproject's 300 s would cut it)
+
 STAGES = ("zeropp_stage_1", "zeropp_stage_2", "zeropp_stage_3")
 VARIANTS = {
     "plain": {},
@@ -69,6 +71,7 @@ def _worker(rank: int, world: int) -> dict:
             ledger = trainer.strategy.comm_ledger
             out["grad_calls"][(vname, stage)] = ledger.totals(CommKind.GRAD_REDUCE).calls
             if vname == "plain":
+                out.setdefault("built_on_meta", {})[stage] = model.built_on_meta
                 out["memory"][stage] = trainer.strategy.memory_stats().as_dict()
                 out.setdefault("optimizer", {})[stage] = type(trainer.strategy.optimizers[0]).__name__
             if vname == "frozen":
@@ -97,6 +100,16 @@ def test_parameters_equal_ddp(results):  # compat (2 ranks): stages 1/2/3 vs DDP
     for rank, out in enumerate(per_rank):
         bad = {k: v for k, v in out["diff"].items() if not v <= TOL}
         assert not bad, f"rank {rank}/{world}: max |param - ddp| above {TOL}: {bad}"
+
+
+def test_configure_model_builds_on_meta_at_stages_2_3(results):
+    """ZeroConfig.meta_init: under the Trainer's own call, a module built in configure_model is
+    on the meta device at stages 2/3 (never whole on a rank) and real at stage 1; with the
+    build's random state replayed it starts from DDP's values, so test_parameters_equal_ddp
+    holds for it too."""
+    _, per_rank = results
+    for out in per_rank:
+        assert out["built_on_meta"] == {"zeropp_stage_1": False, "zeropp_stage_2": True, "zeropp_stage_3": True}
 
 
 def test_stage1_is_bit_exact(results):

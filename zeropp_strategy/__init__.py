@@ -35,6 +35,7 @@ _EXPORTS = {
     "ZeroConfigWarning": "zeropp_strategy.config",
     "ZeroPPPrecision": "zeropp_strategy.precision",
     "ZeroPPStrategy": "zeropp_strategy.strategy",
+    "from_pretrained": "zeropp_strategy.engine.pretrained",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -49,6 +49,7 @@ from zeropp_strategy.engine.core import ZeroEngine
 from zeropp_strategy.engine.fsdp import fsdp_modules, has_meta
 from zeropp_strategy.engine.guards import check_nonfinite_policy, named_parameters
 from zeropp_strategy.engine.guards import unwrap as _unwrap  # noqa: F401 - tests import it from here
+from zeropp_strategy.engine.meta_init import build_context
 from zeropp_strategy.engine.precision import PrecisionPolicy
 from zeropp_strategy.session import ZeroSession
 
@@ -190,8 +191,7 @@ class ZeroPPFabricStrategy(ProcessMixin, ParallelStrategy):
 
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
         stack = ExitStack()
-        if empty_init and self.stage in (2, 3):  # materialized shard by shard in setup_module
-            stack.enter_context(torch.device("meta"))
+        stack.enter_context(build_context(self.config, empty_init))  # stages 2/3: meta, materialized in setup_module
         stack.enter_context(self.precision.module_init_context())
         return stack
 

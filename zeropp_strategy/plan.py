@@ -46,6 +46,7 @@ class ShardingPolicy:
     wrap_modules: tuple[str, ...]
     wrap_min_params: int
     activation_checkpointing: bool
+    meta_init: bool
     reduce_bucket_bytes: int
     allgather_bucket_bytes: int
     overlap_param_gather: bool

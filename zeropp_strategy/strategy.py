@@ -27,7 +27,7 @@ that package's own names ([Note: two Lightning packages] in ``_pytorch_lightning
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Mapping
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -61,6 +61,7 @@ from zeropp_strategy.engine.core import ZeroEngine
 from zeropp_strategy.engine.fsdp import ShardedRoot, fsdp_modules
 from zeropp_strategy.engine.guards import check_nonfinite_policy
 from zeropp_strategy.engine.memory import MemoryStats, memory_stats
+from zeropp_strategy.engine.meta_init import build_context
 from zeropp_strategy.evaluation import EvaluationMixin
 from zeropp_strategy.precision import PrecisionMixin, ZeroPPPrecision
 from zeropp_strategy.presets import PRESETS as PRESETS  # re-export: zeropp_strategy.strategy.PRESETS
@@ -277,10 +278,9 @@ class StrategyMixin(CheckpointMixin, EvaluationMixin, ProcessMixin):
 
     @contextmanager
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        # Stage 2/3 materialize meta tensors shard by shard in setup(); stage 1 needs
-        # real full tensors on every rank, so it ignores empty_init.
-        meta = torch.device("meta") if empty_init and self.stage in (2, 3) else nullcontext()
-        with meta, self.precision_plugin.tensor_init_context():
+        # configure_model (empty_init=None) and init_module(): the meta device at stages 2/3,
+        # materialized shard by shard in setup() (ZeroConfig.meta_init, engine/meta_init.py)
+        with build_context(self.config, empty_init), self.precision_plugin.tensor_init_context():
             yield
 
     # -- steps ----------------------------------------------------------------------------

@@ -221,7 +221,6 @@ def train_cell(args: argparse.Namespace) -> dict:
     cfg = llama_config(args.size, args.seq)
     vocab = cfg.vocab_size
     total = args.warmup + args.steps
-    meta = args.system == "largest"  # the model does not fit one rank's memory whole: built on meta
 
     class Llama(L.LightningModule):
         def __init__(self) -> None:
@@ -229,12 +228,8 @@ def train_cell(args: argparse.Namespace) -> dict:
             self.model = None
 
         def configure_model(self) -> None:
-            if self.model is None:
-                if meta:
-                    with torch.device("meta"):
-                        self.model = LlamaForCausalLM(cfg)
-                else:
-                    self.model = LlamaForCausalLM(cfg)
+            if self.model is None:  # as README tells users (zeropp at stages 2/3: on the meta device)
+                self.model = LlamaForCausalLM(cfg)
 
         def training_step(self, batch, batch_idx):
             (ids,) = batch

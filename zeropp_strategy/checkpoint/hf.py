@@ -42,6 +42,7 @@ import torch
 
 from zeropp_strategy.checkpoint.atomic import new_nonce, publish, remove_path, remove_stale, tmp_sibling
 from zeropp_strategy.checkpoint.integrity import CheckpointError
+from zeropp_strategy.engine.pretrained import tied_aliases
 
 __all__ = ["DEFAULT_MAX_SHARD_BYTES", "HFModel", "WeightReader", "cast_floating", "config_from_record", "write_hf"]
 
@@ -148,23 +149,6 @@ def _skeleton(model_cls: type | None, config: Any) -> Any:
         return None
 
 
-def _tied_aliases(skeleton: Any) -> set[str]:
-    """Keys that alias another key (tied weights): HF writes only the one it reloads."""
-    sd = skeleton.state_dict()
-    try:
-        from transformers.modeling_utils import remove_tied_weights_from_state_dict
-
-        return set(sd) - set(remove_tied_weights_from_state_dict(dict(sd), skeleton))
-    except ImportError:  # older transformers: keep the first name of each shared tensor
-        seen: set[int] = set()
-        aliases = set()
-        for name, t in skeleton.state_dict(keep_vars=True).items():
-            if id(t) in seen:
-                aliases.add(name)
-            seen.add(id(t))
-        return aliases
-
-
 def _weight_converter(skeleton: Any) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None:
     """transformers >= 5 keeps some weights fused in memory (e.g. MoE experts) and splits them on save.
 
@@ -255,7 +239,7 @@ def _plan(model: HFModel, folder: Path, dtype: torch.dtype | None, max_shard_byt
     names = list(reader.specs)
     if skeleton is not None:
         _check_names(folder, model, arch, names, skeleton)
-        aliases = _tied_aliases(skeleton)
+        aliases = tied_aliases(skeleton)
         names = [n for n in names if n not in aliases]
     if model.model_cls is not None:
         config.architectures = [arch]

@@ -166,6 +166,12 @@ class ZeroConfig:
     """Size-based fallback: a submodule with at least this many parameters gets its own group."""
     activation_checkpointing: bool = False
     """Recompute each wrapped block's activations in backward instead of storing them."""
+    meta_init: bool = True
+    """Stages 2/3: a model built in ``configure_model()`` (Lightning) or under ``init_module()``
+    (Lightning, Fabric) is created on the meta device and materialized shard by shard after
+    sharding, so no rank ever holds it whole, from the random state its build ended with (plain
+    PyTorch modules get a real build's values, bit for bit; engine/meta_init.py). False, or
+    ``init_module(empty_init=False)``, builds it for real on every rank. No effect at stage 1."""
     reduce_bucket_bytes: int = 25 * 2**20
     """Stage 1: bytes of gradients all-reduced per bucket (>= 1024)."""
     allgather_bucket_bytes: int = 50 * 2**20
@@ -389,7 +395,7 @@ class ZeroConfig:
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(ZeroConfig))
 _BOOL_FIELDS = ("overlap_param_gather", "quantized_weights", "quantized_gradients", "quantized_gradients_on_single_node",
-                "quantize_frozen_weights", "activation_checkpointing")
+                "quantize_frozen_weights", "activation_checkpointing", "meta_init")
 _BITS_FIELDS = {  # field (4 or 8) -> fix
     "gradient_quant_bits": "use 4 (least traffic) or 8 (more precise)",
     "frozen_weight_bits": "use 8 (int8, the default) or 4 (int4: half the bytes, a coarser step)",

@@ -40,6 +40,9 @@ from zeropp_strategy.comm.ledger import CommLedger
 from zeropp_strategy.config import ZeroConfig
 from zeropp_strategy.engine.frozen import int8_weights, quantize_frozen
 from zeropp_strategy.engine.wrap import apply_activation_checkpointing, select_blocks
+from zeropp_strategy.engine.meta_init import replayed_rng
+from zeropp_strategy.engine.peft_init import lora_inits
+from zeropp_strategy.engine.pretrained import Loads
 from zeropp_strategy.fsdp_private import group_params, param_groups, reset_sharded_param, set_unshard_async
 
 log = logging.getLogger(__name__)
@@ -307,8 +310,9 @@ def materialize(root: nn.Module, device: torch.device, *, store: Any = None) -> 
     """Allocate and initialize meta-device tensors, shard by shard.
 
     A Hugging Face model's submodules get the model's ``_init_weights``; every other
-    module with tensors of its own gets ``reset_parameters()``. Either way each rank draws
-    only its shard. Anything left uninitialized is an error, not garbage weights. With a
+    module with tensors of its own gets ``reset_parameters()``, in registration order and
+    from the random state its meta build ended with (engine/meta_init.py), so the values
+    are a real build's. Either way each rank keeps only its shard. Anything left uninitialized is an error, not garbage weights. With a
     ``store`` (``offload_param="nvme"``), one FSDP group at a time ([Note: streaming
     initialization]).
     """
@@ -321,11 +325,13 @@ def materialize(root: nn.Module, device: torch.device, *, store: Any = None) -> 
             for sub in m.modules():
                 hf_init.setdefault(id(sub), init)
     missing: set[str] = set()
-    if store is None:
-        root.to_empty(device=device)
-        _initialize(root.modules(), hf_init, missing)
-    else:
-        _materialize_streaming(root, device, store, hf_init, missing)
+    loads = Loads(root)  # models from_pretrained built on meta: [Note: streaming load] in engine/pretrained.py
+    hf_init.update(lora_inits(root, _whole_tensors))  # peft's LoRA adapters: peft's own init (engine/peft_init.py)
+    with replayed_rng(root):  # [Note: the build's random state] in engine/meta_init.py
+        if store is None:
+            _materialize_meta_modules(root, device, hf_init, missing, loads)
+        else:
+            _materialize_streaming(root, device, store, hf_init, missing, loads)
     if missing:
         raise TypeError(
             "configure_model created tensors on the meta device, but these modules have no "
@@ -334,11 +340,51 @@ def materialize(root: nn.Module, device: torch.device, *, store: Any = None) -> 
         )
 
 
+def _owns_meta(m: nn.Module) -> bool:
+    return any(t.is_meta for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)))
+
+
+def _materialize_meta_modules(root: nn.Module, device: torch.device, hf_init: dict[int, Callable[[nn.Module], None]],
+                              missing: set[str], loads: Loads) -> None:
+    """Allocate and initialize the modules that own meta tensors, and only those: a model
+    whose backbone was loaded for real (in ``__init__``, say) and whose head was built on the
+    meta device keeps the backbone's values. FSDP2 re-reads every sharded parameter after the
+    allocation (``reset_sharded_param``, what its own ``_apply`` does), before the values are
+    drawn into the shards."""
+    todo = [m for m in root.modules() if _owns_meta(m)]
+    _to_empty_keeping_ties(todo, device)
+    for fsdp_module in fsdp_modules(root):
+        for g in param_groups(fsdp_module):
+            for fp in group_params(g):
+                reset_sharded_param(fp)
+    _initialize(todo, hf_init, missing, loads)
+
+
+def _to_empty_keeping_ties(modules: Iterable[nn.Module], device: torch.device,
+                           replaced: dict[int, nn.Parameter] | None = None) -> None:
+    """``to_empty(recurse=False)`` of each module, allocating a parameter shared by several
+    (tied weights: ``lm_head`` and the embedding) once: ``to_empty`` of each would give each
+    module its own copy and untie them."""
+    replaced = {} if replaced is None else replaced  # id(meta parameter) -> its allocation
+    for m in modules:
+        shared = {n: replaced[id(p)] for n, p in m._parameters.items() if p is not None and id(p) in replaced}
+        for n in shared:
+            del m._parameters[n]
+        metas = {n: p for n, p in m._parameters.items() if p is not None and p.is_meta}
+        m.to_empty(device=device, recurse=False)
+        for n, p in metas.items():
+            replaced[id(p)] = m._parameters[n]
+        m._parameters.update(shared)
+
+
 def _initialize(modules: Iterable[nn.Module], hf_init: dict[int, Callable[[nn.Module], None]],
-                missing: set[str]) -> None:
+                missing: set[str], loads: Loads) -> None:
     for m in modules:
         own = [*m.parameters(recurse=False), *m.buffers(recurse=False)]
         if not own:
+            continue
+        if not loads.init_needed(m):  # every tensor from a pretrained folder: nothing to draw
+            loads.fill(m)
             continue
         # Inside a Hugging Face model its own init wins: nn.Embedding.reset_parameters
         # draws N(0, 1) where the model wants N(0, initializer_range).
@@ -349,6 +395,7 @@ def _initialize(modules: Iterable[nn.Module], hf_init: dict[int, Callable[[nn.Mo
                 m.reset_parameters()
             else:
                 missing.add(type(m).__name__)
+        loads.fill(m)
 
 
 @contextmanager
@@ -391,7 +438,7 @@ def _own_modules(group_root: nn.Module) -> list[nn.Module]:
 
 
 def _materialize_streaming(root: nn.Module, device: torch.device, store: Any,
-                           hf_init: dict[int, Callable[[nn.Module], None]], missing: set[str]) -> None:
+                           hf_init: dict[int, Callable[[nn.Module], None]], missing: set[str], loads: Loads) -> None:
     """[Note: streaming initialization]
     ``root.to_empty`` would allocate this rank's whole shard of the model at once (4 P/N
     bytes in fp32) before anything could move to NVMe: the 3.4B-parameter model of issue 22
@@ -410,20 +457,28 @@ def _materialize_streaming(root: nn.Module, device: torch.device, store: Any,
         left[id(group_root)] = len(own)
         owner.update((id(m), group_root) for m in own)
     ready: set[int] = set()
+    replaced: dict[int, nn.Parameter] = {}
     for m in root.modules():
         group_root = owner.get(id(m))
         if group_root is None:  # outside every fully_shard module: nothing of it is offloaded
-            m.to_empty(device=device, recurse=False)
-            _initialize([m], hf_init, missing)
+            _to_empty_keeping_ties([m], device, replaced)
+            _initialize([m], hf_init, missing, loads)
             continue
         if id(group_root) not in ready:
             ready.add(id(group_root))
-            for sub in _own_modules(group_root):
-                sub.to_empty(device=device, recurse=False)
+            real = [type(sub).__name__ for sub in _own_modules(group_root) if not _owns_meta(sub)
+                    and any(True for _ in (*sub.parameters(recurse=False), *sub.buffers(recurse=False)))]
+            if real:  # to_empty of the group would lose their values
+                raise TypeError(
+                    f"offload_param='nvme' streams each FSDP group to disk as it is initialized, but the group of "
+                    f"{type(group_root).__name__} mixes real tensors ({', '.join(sorted(set(real)))}) with meta ones. "
+                    "Fix: build the whole model on the meta device (ZeroConfig.meta_init=True, the default, with "
+                    "nothing loaded for real), or all of it for real (meta_init=False)")
+            _to_empty_keeping_ties(_own_modules(group_root), device, replaced)
             for g in param_groups(group_root):
                 for fp in group_params(g):
                     reset_sharded_param(fp)
-        _initialize([m], hf_init, missing)
+        _initialize([m], hf_init, missing, loads)
         left[id(group_root)] -= 1
         if not left[id(group_root)]:
             for g in param_groups(group_root):

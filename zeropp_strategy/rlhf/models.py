@@ -7,7 +7,9 @@ can create the model on the meta device and materialize only each rank's shard.
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +64,22 @@ def _dtype_kwargs(dtype: torch.dtype | None) -> dict[str, torch.dtype]:
     from packaging.version import Version
 
     return {"dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype": dtype}
+
+
+def built_for_real(configure_model: Callable[[Any], None]) -> Callable[[Any], None]:
+    """A recipe's ``configure_model`` builds its networks for real, with the strategy's meta
+    device (``ZeroConfig.meta_init``, stages 2/3) turned off inside: ``from_pretrained``
+    cannot fill meta tensors, and the strategy's initialization of meta tensors would
+    replace peft's (LoRA's B at zero) and the scalar heads' own. Every rank therefore builds
+    the whole networks, as before meta became the default; loading a published model shard
+    by shard is the way out (issue 32)."""
+
+    @functools.wraps(configure_model)
+    def wrapper(self: Any) -> None:
+        with torch.device("cpu"):  # innermost device context wins over the strategy's meta one
+            configure_model(self)
+
+    return wrapper
 
 
 def build_causal_lm(model: str | dict[str, Any], *, dtype: torch.dtype | None = None) -> nn.Module:

@@ -1,0 +1,221 @@
+"""Loading a published model on 2 ranks at stage 3: every rank whole (the old way) against
+each rank reading only its shard (``zeropp_strategy.from_pretrained``), side by side.
+
+    python benchmarks/pretrained.py --write /var/tmp/llama-2.7B --size 2.7B     # once: a bf16 folder
+    python benchmarks/pretrained.py --load /var/tmp/llama-2.7B                  # old, new, plain; the table
+
+``--write`` streams a Llama of a shape from benchmarks/llama.py into a ``save_pretrained``-
+style folder (config.json, ``model-0000k-of-0000n.safetensors`` of at most 2 GiB each and
+the index), random N(0, 0.02) bf16 weights, one file's tensors in memory at a time.
+
+``--load`` runs, each in fresh processes: ``plain`` (one process,
+``AutoModelForCausalLM.from_pretrained(folder, dtype=bf16)``: the reference time), ``old``
+(2 ranks under the Trainer, ``ZeroPPStrategy(stage=3, meta_init=False)``, every rank calling
+transformers' ``from_pretrained`` in ``configure_model``) and ``new`` (2 ranks, the default
+stage 3, ``zeropp_strategy.from_pretrained`` in ``configure_model``). Per rank: seconds
+from the Trainer's start to the first training batch (load and shard), peak RSS (``VmHWM``
+and a 20 ms sampler), against the shard plus the largest tensor. ``bf16-true``, so the
+parameters are the file's dtype. Writes benchmarks/results/pretrained.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from llama import SIZES, llama_config, llama_params  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results" / "pretrained.json"
+FILE_BYTES = 2 * 2**30
+
+
+def write_folder(folder: Path, size: str) -> None:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaForCausalLM
+
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = llama_config(size, 2048)
+    cfg.torch_dtype = "bfloat16"
+    cfg.save_pretrained(folder)
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in LlamaForCausalLM(cfg).state_dict().items()}
+    groups, current, nbytes = [], [], 0
+    for name, shape in shapes.items():
+        size_b = 2 * torch.Size(shape).numel()
+        if current and nbytes + size_b > FILE_BYTES:
+            groups.append(current)
+            current, nbytes = [], 0
+        current.append(name)
+        nbytes += size_b
+    groups.append(current)
+    weight_map, g = {}, torch.Generator().manual_seed(0)
+    for i, names in enumerate(groups):
+        file = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        tensors = {n: (torch.randn(shapes[n], generator=g) * 0.02).to(torch.bfloat16) for n in names}
+        for n in names:
+            if n.endswith("norm.weight"):
+                tensors[n].fill_(1.0)
+        save_file(tensors, folder / file, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(names, file))
+        del tensors
+        print(f"wrote {file} ({len(names)} tensors)", flush=True)
+    total = sum(2 * torch.Size(s).numel() for s in shapes.values())
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+
+
+def _vm(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+class Peak(threading.Thread):
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.peak, self.stop = 0, threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.wait(0.02):
+            self.peak = max(self.peak, _vm("VmRSS"))
+
+
+def run_cell(args: argparse.Namespace) -> None:
+    """One rank of ``old``/``new``, or the ``plain`` process."""
+    import torch
+
+    torch.set_num_threads(1 if args.mode != "plain" else 2)
+    peak = Peak()
+    peak.start()
+    out: dict = {"mode": args.mode, "rss_before": _vm("VmRSS")}
+    t0 = time.perf_counter()
+    if args.mode == "plain":
+        from transformers import AutoModelForCausalLM
+
+        AutoModelForCausalLM.from_pretrained(args.load, dtype=torch.bfloat16)
+        out["load_s"] = time.perf_counter() - t0
+    else:
+        import lightning.pytorch as L
+
+        import zeropp_strategy
+        from zeropp_strategy import ZeroPPStrategy
+
+        class Module(L.LightningModule):
+            def __init__(self) -> None:
+                super().__init__()
+                self.model = None
+
+            def configure_model(self) -> None:
+                if self.model is None:
+                    if args.mode == "old":
+                        from transformers import AutoModelForCausalLM
+
+                        self.model = AutoModelForCausalLM.from_pretrained(args.load, dtype=torch.bfloat16)
+                    else:
+                        self.model = zeropp_strategy.from_pretrained(args.load, dtype=torch.bfloat16)
+
+            def on_train_batch_start(self, batch, batch_idx):
+                out["load_s"] = time.perf_counter() - t0
+                return -1  # loaded and sharded: the measurement ends before the first batch's compute
+
+            def training_step(self, batch, batch_idx):
+                raise AssertionError("not reached")
+
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=0.0)
+
+            def train_dataloader(self):
+                return torch.utils.data.DataLoader(torch.zeros(2, 8, dtype=torch.long), batch_size=1)
+
+        strategy = ZeroPPStrategy(stage=3, meta_init=args.mode == "new", wrap_modules=["LlamaDecoderLayer"])
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision="bf16-true", max_steps=1,
+                            logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False)
+        trainer.fit(Module())
+        out["rank"] = trainer.global_rank
+    peak.stop.set()
+    out.update(peak_rss=max(peak.peak, _vm("VmRSS")), VmHWM=_vm("VmHWM"))
+    Path(f"{args.out}.{args.mode}.{out.get('rank', 0)}").write_text(json.dumps(out))
+
+
+def measure(args: argparse.Namespace) -> dict:
+    from safetensors import safe_open
+
+    folder = Path(args.load)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    largest = 0
+    for file in sorted(set(index["weight_map"].values())):
+        with safe_open(str(folder / file), "pt") as f:
+            for k in f.keys():
+                shape = f.get_slice(k).get_shape()
+                largest = max(largest, 2 * int(torch_numel(shape)))
+    total = index["metadata"]["total_size"]
+    res: dict = {"folder_bytes": total, "largest_tensor_bytes": largest, "shard_bytes": total // 2, "cells": []}
+    for mode in args.modes.split(","):
+        out = f"/tmp/zeropp-pretrained-{os.getpid()}"
+        cmd = [sys.executable, __file__, "--cell", "--mode", mode, "--load", str(folder), "--out", out]
+        if mode != "plain":
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", __file__, *cmd[2:]]
+        t0 = time.perf_counter()
+        rc = subprocess.run(cmd, cwd=ROOT).returncode
+        ranks = [json.loads(Path(f"{out}.{mode}.{r}").read_text()) for r in range(1 if mode == "plain" else 2)
+                 if Path(f"{out}.{mode}.{r}").exists()]
+        res["cells"].append({"mode": mode, "returncode": rc, "wall_s": time.perf_counter() - t0, "ranks": ranks})
+        print(json.dumps(res["cells"][-1]), flush=True)
+    return res
+
+
+def torch_numel(shape: list[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def table(res: dict) -> str:
+    gib = 2**30
+    bound = (res["shard_bytes"] + res["largest_tensor_bytes"]) * 1.1
+    lines = [f"folder {res['folder_bytes'] / gib:.2f} GiB; per-rank bound (shard + largest tensor + 10%) "
+             f"{bound / gib:.2f} GiB", "", "| mode | rank | load s | peak RSS GiB | VmHWM GiB |", "|---|---|---|---|---|"]
+    for c in res["cells"]:
+        for r in c["ranks"]:
+            lines.append(f"| {c['mode']} | {r.get('rank', '-')} | {r.get('load_s', float('nan')):.1f} | "
+                         f"{r['peak_rss'] / gib:.2f} | {r['VmHWM'] / gib:.2f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--write", type=Path, help="write a random bf16 folder of --size here, and exit")
+    p.add_argument("--size", default="2.7B", choices=list(SIZES))
+    p.add_argument("--load", help="the folder to load")
+    p.add_argument("--modes", default="plain,old,new")
+    p.add_argument("--cell", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--mode", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.write:
+        write_folder(args.write, args.size)
+        print(f"{args.write}: {llama_params(args.size) / 1e9:.2f}B parameters in bf16")
+    elif args.cell:
+        run_cell(args)
+    else:
+        res = measure(args)
+        res["date"], res["command"] = time.strftime("%Y-%m-%d"), "python benchmarks/pretrained.py " + " ".join(sys.argv[1:])
+        RESULTS.write_text(json.dumps(res, indent=1) + "\n")
+        print(table(res))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""Layer: engine. Building a model on the meta device as if it were built for real.
+
+    with meta_build():                    # what the front-ends enter for configure_model / init_module
+        model = MyTransformer()           # no memory: every tensor is on the meta device
+    ...
+    materialize(model, device)            # engine/fsdp.py: shard by shard, from the build's random state
+
+[Note: the build's random state]
+At stages 2 and 3 the front-ends build the user's model on the meta device by default
+(``ZeroConfig.meta_init``), so that no rank ever holds it whole; ``materialize`` allocates
+and initializes each shard after sharding. A model built for real draws its initial values
+while it is built (``nn.Linear.__init__`` calls ``reset_parameters``, which draws from the
+CPU generator); on the meta device those draws are no-ops. ``meta_build`` keeps the CPU
+generator's state at the end of the build with the modules that registered a meta tensor
+in it, and ``replayed_rng`` restores it while their root is initialized, module by module in
+registration order. For modules that draw their values in ``reset_parameters`` and are
+registered in the order they were built (the usual ``self.a = A(); self.b = B()``), the
+draws are the same as the real build's, so the model starts from the values it would have
+had without the meta device, bit for bit, and the generator is left where a real build
+would have left it (what a ``seed_everything`` before ``configure_model`` promises under
+DDP). A Hugging Face model's real build draws twice (each layer's own init, then
+``_init_weights``); on meta only ``_init_weights`` runs, so its values are drawn from the
+same distributions but are not the real build's. Only the CPU generator is replayed: on a
+GPU mesh DTensor's own RNG tracker draws each shard at its offset.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+
+import torch
+from torch import nn
+from torch.nn.modules.module import (
+    register_module_buffer_registration_hook,
+    register_module_parameter_registration_hook,
+)
+
+from zeropp_strategy.config import ZeroConfig
+from zeropp_strategy.errors import UsageError
+
+__all__ = ["build_context", "build_rng_state", "meta_build", "replayed_rng"]
+
+# module -> the CPU generator's state when the meta build that created it ended
+_BUILD_STATE: weakref.WeakKeyDictionary[nn.Module, torch.Tensor] = weakref.WeakKeyDictionary()
+
+
+@contextmanager
+def meta_build() -> Iterator[None]:
+    """``torch.device("meta")``, and the CPU generator's state at the end, kept with every
+    module that registered a meta parameter or buffer inside ([Note: the build's random state])."""
+    built: list[nn.Module] = []
+
+    def seen(module: nn.Module, name: str, tensor: torch.Tensor | None) -> None:
+        if tensor is not None and tensor.is_meta:
+            built.append(module)
+
+    hooks = [register_module_parameter_registration_hook(seen), register_module_buffer_registration_hook(seen)]
+    try:
+        with torch.device("meta"):
+            yield
+    except RuntimeError as e:
+        if "from_pretrained" in str(e) and "meta device" in str(e):  # transformers refuses to load into meta
+            raise UsageError(
+                "from_pretrained was called where the zeropp strategy builds the model on the meta device "
+                "(configure_model, or init_module, at stages 2/3: ZeroConfig.meta_init), and transformers "
+                "cannot load weights into meta tensors",
+                "load it with zeropp_strategy.from_pretrained(path) (a local save_pretrained folder of safetensors: "
+                "each rank reads only its shard), or build it for real with ZeroPPStrategy(meta_init=False) (or "
+                "init_module(empty_init=False)), every rank then loading the whole model") from e
+        raise
+    finally:
+        for hook in hooks:
+            hook.remove()
+    state = torch.get_rng_state()  # only after a build that finished: an exception skips this
+    for module in built:
+        _BUILD_STATE.setdefault(module, state)
+
+
+def build_rng_state(root: nn.Module) -> torch.Tensor | None:
+    """The state kept by the ``meta_build`` that built ``root`` (its first module that has one)."""
+    for module in root.modules():
+        state = _BUILD_STATE.get(module)
+        if state is not None:
+            return state
+    return None
+
+
+@contextmanager
+def replayed_rng(root: nn.Module) -> Iterator[None]:
+    """While ``root`` is initialized: the CPU generator as its build left it. Afterwards the
+    generator stays where the draws left it, as after a real build; the modules forget the
+    state, so a second materialization draws anew."""
+    state = build_rng_state(root)
+    if state is not None:
+        torch.set_rng_state(state)
+        for module in root.modules():
+            _BUILD_STATE.pop(module, None)
+    yield
+
+
+def build_context(config: ZeroConfig, empty_init: bool | None) -> AbstractContextManager:
+    """Where a front-end builds the user's model (Lightning's ``configure_model`` and
+    ``init_module``, Fabric's ``init_module``): ``meta_build()`` at stages 2/3 unless
+    ``empty_init=False`` or ``config.meta_init`` is False; at stage 1, which keeps full
+    parameters on every rank, a real build whatever ``empty_init`` says."""
+    if config.stage in (2, 3) and config.meta_init and empty_init is not False:
+        return meta_build()
+    return nullcontext()
