@@ -14,8 +14,10 @@ the index), random N(0, 0.02) bf16 weights, one file's tensors in memory at a ti
 transformers' ``from_pretrained`` in ``configure_model``) and ``new`` (2 ranks, the default
 stage 3, ``zeropp_strategy.from_pretrained`` in ``configure_model``). Per rank: seconds
 from the Trainer's start to the first training batch (load and shard), peak RSS (``VmHWM``
-and a 20 ms sampler), against the shard plus the largest tensor. ``bf16-true``, so the
-parameters are the file's dtype. Writes benchmarks/results/pretrained.json.
+and a 20 ms sampler, with its anonymous part: mapped file pages are page cache), against
+the shard plus the largest tensor. ``--dtype fp32`` (the default): ``bf16-mixed`` as users
+train, fp32 parameters converted from the bf16 files; ``--dtype bf16``: ``bf16-true``, the
+files' own dtype. Writes benchmarks/results/pretrained.json (one entry per folder and dtype).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from llama import SIZES, llama_config, llama_params  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "pretrained.json"
+DTYPES = {"fp32": None, "bf16": None}  # filled with torch dtypes where torch is imported
 FILE_BYTES = 2 * 2**30
 
 
@@ -87,14 +90,17 @@ class Peak(threading.Thread):
         self.peak, self.stop = 0, threading.Event()
 
     def run(self) -> None:
+        self.anon = 0
         while not self.stop.wait(0.02):
             self.peak = max(self.peak, _vm("VmRSS"))
+            self.anon = max(self.anon, _vm("RssAnon"))  # what the process allocated (not file pages it mapped)
 
 
 def run_cell(args: argparse.Namespace) -> None:
     """One rank of ``old``/``new``, or the ``plain`` process."""
     import torch
 
+    DTYPES.update(fp32=torch.float32, bf16=torch.bfloat16)
     torch.set_num_threads(1 if args.mode != "plain" else 2)
     peak = Peak()
     peak.start()
@@ -103,7 +109,7 @@ def run_cell(args: argparse.Namespace) -> None:
     if args.mode == "plain":
         from transformers import AutoModelForCausalLM
 
-        AutoModelForCausalLM.from_pretrained(args.load, dtype=torch.bfloat16)
+        AutoModelForCausalLM.from_pretrained(args.load, dtype=DTYPES[args.dtype])
         out["load_s"] = time.perf_counter() - t0
     else:
         import lightning.pytorch as L
@@ -121,9 +127,9 @@ def run_cell(args: argparse.Namespace) -> None:
                     if args.mode == "old":
                         from transformers import AutoModelForCausalLM
 
-                        self.model = AutoModelForCausalLM.from_pretrained(args.load, dtype=torch.bfloat16)
+                        self.model = AutoModelForCausalLM.from_pretrained(args.load, dtype=DTYPES[args.dtype])
                     else:
-                        self.model = zeropp_strategy.from_pretrained(args.load, dtype=torch.bfloat16)
+                        self.model = zeropp_strategy.from_pretrained(args.load, dtype=DTYPES[args.dtype])
 
             def on_train_batch_start(self, batch, batch_idx):
                 out["load_s"] = time.perf_counter() - t0
@@ -139,13 +145,15 @@ def run_cell(args: argparse.Namespace) -> None:
                 return torch.utils.data.DataLoader(torch.zeros(2, 8, dtype=torch.long), batch_size=1)
 
         strategy = ZeroPPStrategy(stage=3, meta_init=args.mode == "new", wrap_modules=["LlamaDecoderLayer"])
-        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision="bf16-true", max_steps=1,
+        precision = "bf16-true" if args.dtype == "bf16" else "bf16-mixed"
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision=precision, max_epochs=1,
+                            limit_train_batches=1,
                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
                             enable_model_summary=False)
         trainer.fit(Module())
         out["rank"] = trainer.global_rank
     peak.stop.set()
-    out.update(peak_rss=max(peak.peak, _vm("VmRSS")), VmHWM=_vm("VmHWM"))
+    out.update(peak_rss=max(peak.peak, _vm("VmRSS")), peak_anon=max(peak.anon, _vm("RssAnon")), VmHWM=_vm("VmHWM"))
     Path(f"{args.out}.{args.mode}.{out.get('rank', 0)}").write_text(json.dumps(out))
 
 
@@ -161,10 +169,13 @@ def measure(args: argparse.Namespace) -> dict:
                 shape = f.get_slice(k).get_shape()
                 largest = max(largest, 2 * int(torch_numel(shape)))
     total = index["metadata"]["total_size"]
-    res: dict = {"folder_bytes": total, "largest_tensor_bytes": largest, "shard_bytes": total // 2, "cells": []}
+    per = 2 if args.dtype == "bf16" else 4  # bytes per parameter in memory; the files hold bf16
+    res: dict = {"folder_bytes": total, "largest_tensor_bytes": largest * per // 2, "shard_bytes": total * per // 4,
+                 "cells": []}
     for mode in args.modes.split(","):
         out = f"/tmp/zeropp-pretrained-{os.getpid()}"
-        cmd = [sys.executable, __file__, "--cell", "--mode", mode, "--load", str(folder), "--out", out]
+        cmd = [sys.executable, __file__, "--cell", "--mode", mode, "--load", str(folder), "--out", out, "--dtype",
+               args.dtype]
         if mode != "plain":
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", __file__, *cmd[2:]]
         t0 = time.perf_counter()
@@ -187,11 +198,12 @@ def table(res: dict) -> str:
     gib = 2**30
     bound = (res["shard_bytes"] + res["largest_tensor_bytes"]) * 1.1
     lines = [f"folder {res['folder_bytes'] / gib:.2f} GiB; per-rank bound (shard + largest tensor + 10%) "
-             f"{bound / gib:.2f} GiB", "", "| mode | rank | load s | peak RSS GiB | VmHWM GiB |", "|---|---|---|---|---|"]
+             f"{bound / gib:.2f} GiB", "", "| mode | rank | load s | peak RSS GiB | of which anonymous, peak GiB | VmHWM GiB |",
+             "|---|---|---|---|---|---|"]
     for c in res["cells"]:
         for r in c["ranks"]:
             lines.append(f"| {c['mode']} | {r.get('rank', '-')} | {r.get('load_s', float('nan')):.1f} | "
-                         f"{r['peak_rss'] / gib:.2f} | {r['VmHWM'] / gib:.2f} |")
+                         f"{r['peak_rss'] / gib:.2f} | {r['peak_anon'] / gib:.2f} | {r['VmHWM'] / gib:.2f} |")
     return "\n".join(lines)
 
 
@@ -201,6 +213,9 @@ def main() -> None:
     p.add_argument("--size", default="2.7B", choices=list(SIZES))
     p.add_argument("--load", help="the folder to load")
     p.add_argument("--modes", default="plain,old,new")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
+                   help="the parameters' dtype: fp32 (bf16-mixed, as users train: the bf16 files are converted) or bf16 "
+                        "(bf16-true: the files' own)")
     p.add_argument("--cell", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mode", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -213,7 +228,10 @@ def main() -> None:
     else:
         res = measure(args)
         res["date"], res["command"] = time.strftime("%Y-%m-%d"), "python benchmarks/pretrained.py " + " ".join(sys.argv[1:])
-        RESULTS.write_text(json.dumps(res, indent=1) + "\n")
+        res["dtype"] = args.dtype
+        runs = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+        runs[f"{Path(args.load).name}-{args.dtype}"] = res
+        RESULTS.write_text(json.dumps(runs, indent=1) + "\n")
         print(table(res))
 
 
