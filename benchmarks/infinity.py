@@ -32,7 +32,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -41,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from llama import SIZES, llama_config, llama_params  # noqa: E402 - the shapes: benchmarks/llama.py
+from rss import PeakRSS, status  # noqa: E402 - the RSS sampler: benchmarks/rss.py
 
 VOCAB, SEQ = 32000, 64
 RESULTS = ROOT / "benchmarks" / "results" / "infinity.json"
@@ -49,35 +49,6 @@ PLOT = ROOT / "docs" / "img" / "infinity.png"
 
 
 # -- one job ------------------------------------------------------------------------------
-
-
-def _status() -> dict[str, int]:
-    out = {}
-    with open("/proc/self/status", encoding="ascii") as f:
-        for line in f:
-            key, _, rest = line.partition(":")
-            if key in ("VmRSS", "RssAnon", "RssFile", "VmHWM"):
-                out[key] = int(rest.split()[0]) * 1024
-    return out
-
-
-class _Peak(threading.Thread):
-    """Samples this process's RSS every 20 ms; keeps the peaks, overall and per ``phase``."""
-
-    def __init__(self) -> None:
-        super().__init__(daemon=True)
-        self.peak = {"VmRSS": 0, "RssAnon": 0, "RssFile": 0}
-        self.phase = "setup"
-        self.phases: dict[str, dict[str, int]] = {}
-        self.stop = threading.Event()
-
-    def run(self) -> None:
-        while not self.stop.wait(0.02):
-            s = _status()
-            phase = self.phases.setdefault(self.phase, dict.fromkeys(self.peak, 0))
-            for k in self.peak:
-                self.peak[k] = max(self.peak[k], s.get(k, 0))
-                phase[k] = max(phase[k], s.get(k, 0))
 
 
 def _disk_sectors(path: str) -> tuple[int, int]:
@@ -105,7 +76,7 @@ def run_cell(args: argparse.Namespace) -> None:
     from zeropp_strategy import ZeroPPStrategy
 
     torch.set_num_threads(1)  # two ranks on two cores
-    peak = _Peak()
+    peak = PeakRSS()
     peak.start()
 
     class Llama(LightningModule):
@@ -140,7 +111,7 @@ def run_cell(args: argparse.Namespace) -> None:
             self.t0 = 0.0
             self.disk0 = (0, 0)
             self._phase = ("setup", time.perf_counter(), _disk_sectors(args.nvme))
-            self._start_anon = _status().get("RssAnon", 0)
+            self._start_anon = status().get("RssAnon", 0)
 
         def mark(self, phase: str) -> None:
             """End the current phase (its time and drive bytes) and start ``phase``."""
@@ -152,7 +123,7 @@ def run_cell(args: argparse.Namespace) -> None:
             entry["disk_read_bytes"] += (r - r0) * 512
             entry["disk_write_bytes"] += (w - w0) * 512
             self._phase = (phase, time.perf_counter(), (r, w))
-            self._start_anon = _status().get("RssAnon", 0)
+            self._start_anon = status().get("RssAnon", 0)
             peak.phase = phase
 
         def on_train_start(self, trainer, pl_module):  # noqa: ANN001
@@ -196,7 +167,7 @@ def run_cell(args: argparse.Namespace) -> None:
     out["peak"] = peak.peak
     out["phase_peaks"] = peak.phases
     out["phases"] = record.phases
-    out["VmHWM"] = _status()["VmHWM"]
+    out["VmHWM"] = status()["VmHWM"]
     engine = getattr(getattr(strategy, "_session", None), "engine", None)
     plan = getattr(engine, "memory_plan", None)
     if plan is not None:

@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from llama import SIZES, llama_config, llama_params  # noqa: E402
+from rss import PeakRSS, status  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "pretrained.json"
 DTYPES = {"fp32": None, "bf16": None}  # filled with torch dtypes where torch is imported
@@ -77,34 +78,15 @@ def write_folder(folder: Path, size: str) -> None:
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
 
 
-def _vm(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
-class Peak(threading.Thread):
-    def __init__(self) -> None:
-        super().__init__(daemon=True)
-        self.peak, self.stop = 0, threading.Event()
-
-    def run(self) -> None:
-        self.anon = 0
-        while not self.stop.wait(0.02):
-            self.peak = max(self.peak, _vm("VmRSS"))
-            self.anon = max(self.anon, _vm("RssAnon"))  # what the process allocated (not file pages it mapped)
-
-
 def run_cell(args: argparse.Namespace) -> None:
     """One rank of ``old``/``new``, or the ``plain`` process."""
     import torch
 
     DTYPES.update(fp32=torch.float32, bf16=torch.bfloat16)
     torch.set_num_threads(1 if args.mode != "plain" else 2)
-    peak = Peak()
+    peak = PeakRSS()
     peak.start()
-    out: dict = {"mode": args.mode, "rss_before": _vm("VmRSS")}
+    out: dict = {"mode": args.mode, "rss_before": status()["VmRSS"]}
     t0 = time.perf_counter()
     if args.mode == "plain":
         from transformers import AutoModelForCausalLM
@@ -153,7 +135,8 @@ def run_cell(args: argparse.Namespace) -> None:
         trainer.fit(Module())
         out["rank"] = trainer.global_rank
     peak.stop.set()
-    out.update(peak_rss=max(peak.peak, _vm("VmRSS")), peak_anon=max(peak.anon, _vm("RssAnon")), VmHWM=_vm("VmHWM"))
+    last = peak.sample()
+    out.update(peak_rss=peak.peak["VmRSS"], peak_anon=peak.peak["RssAnon"], VmHWM=last["VmHWM"])
     Path(f"{args.out}.{args.mode}.{out.get('rank', 0)}").write_text(json.dumps(out))
 
 
@@ -167,7 +150,7 @@ def measure(args: argparse.Namespace) -> dict:
         with safe_open(str(folder / file), "pt") as f:
             for k in f.keys():
                 shape = f.get_slice(k).get_shape()
-                largest = max(largest, 2 * int(torch_numel(shape)))
+                largest = max(largest, 2 * math.prod(shape))
     total = index["metadata"]["total_size"]
     per = 2 if args.dtype == "bf16" else 4  # bytes per parameter in memory; the files hold bf16
     res: dict = {"folder_bytes": total, "largest_tensor_bytes": largest * per // 2, "shard_bytes": total * per // 4,
@@ -185,13 +168,6 @@ def measure(args: argparse.Namespace) -> dict:
         res["cells"].append({"mode": mode, "returncode": rc, "wall_s": time.perf_counter() - t0, "ranks": ranks})
         print(json.dumps(res["cells"][-1]), flush=True)
     return res
-
-
-def torch_numel(shape: list[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def table(res: dict) -> str:

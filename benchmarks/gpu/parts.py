@@ -46,21 +46,6 @@ def _cuda(dry_run: bool) -> bool:
     return torch.cuda.is_available() and not dry_run
 
 
-def _time_s(fn, cuda: bool, reps: int) -> float:
-    """Median seconds of ``fn`` after a warm-up (CUDA: synchronized around each call)."""
-    fn()
-    times = []
-    for _ in range(reps):
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 # -- env ------------------------------------------------------------------------------------------
 
 
@@ -81,16 +66,15 @@ def part_env(args: argparse.Namespace, budget: Budget) -> dict:
         except (OSError, subprocess.SubprocessError) as e:
             r["driver"] = f"nvidia-smi failed: {e}"
     device = torch.device("cuda" if cuda else "cpu")
+    time_ms = _bench_kernels()._time_ms  # the kernels' timer: do_bench's median on CUDA
     nbytes = 2**30 if cuda else 2**24  # 1 GiB: many times the L2
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    t = _time_s(lambda: dst.copy_(src), cuda, 20)
-    r["copy_GBps"] = round(2 * nbytes / t / 1e9, 1)  # bytes read plus bytes written
+    r["copy_GBps"] = round(2 * nbytes / time_ms(lambda: dst.copy_(src), device) / 1e6, 1)  # bytes read + written
     del src, dst
     n, dtype = (8192, torch.bfloat16) if cuda else (256, torch.float32)
     a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
-    t = _time_s(lambda: a @ b, cuda, 10)
-    r["matmul_TFLOPs"] = round(2 * n**3 / t / 1e12, 3)
+    r["matmul_TFLOPs"] = round(2 * n**3 / time_ms(lambda: a @ b, device) / 1e9, 3)
     r["matmul"] = f"{n}x{n}x{n} {str(dtype).removeprefix('torch.')}, random data"
     r["summary"] = (f"{r.get('gpu', 'CPU')}: copy {r['copy_GBps']} GB/s, matmul {r['matmul_TFLOPs']} TFLOP/s, "
                     f"torch {r['torch']}, triton {r['triton']}, nccl {r.get('nccl', '-')}")

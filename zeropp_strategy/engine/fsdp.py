@@ -39,10 +39,10 @@ from zeropp_strategy.comm.hierarchical import NodeGroups
 from zeropp_strategy.comm.ledger import CommLedger
 from zeropp_strategy.config import ZeroConfig
 from zeropp_strategy.engine.frozen import int8_weights, quantize_frozen
-from zeropp_strategy.engine.wrap import apply_activation_checkpointing, select_blocks
 from zeropp_strategy.engine.meta_init import replayed_rng
 from zeropp_strategy.engine.peft_init import lora_inits
 from zeropp_strategy.engine.pretrained import Loads
+from zeropp_strategy.engine.wrap import apply_activation_checkpointing, select_blocks
 from zeropp_strategy.fsdp_private import group_params, param_groups, reset_sharded_param, set_unshard_async
 
 log = logging.getLogger(__name__)
@@ -312,9 +312,9 @@ def materialize(root: nn.Module, device: torch.device, *, store: Any = None) -> 
     A Hugging Face model's submodules get the model's ``_init_weights``; every other
     module with tensors of its own gets ``reset_parameters()``, in registration order and
     from the random state its meta build ended with (engine/meta_init.py), so the values
-    are a real build's. Either way each rank keeps only its shard. Anything left uninitialized is an error, not garbage weights. With a
-    ``store`` (``offload_param="nvme"``), one FSDP group at a time ([Note: streaming
-    initialization]).
+    are a real build's. Either way each rank keeps only its shard. Anything left
+    uninitialized is an error, not garbage weights. With a ``store``
+    (``offload_param="nvme"``), one FSDP group at a time ([Note: streaming initialization]).
     """
     if not has_meta(root):
         return
@@ -340,8 +340,22 @@ def materialize(root: nn.Module, device: torch.device, *, store: Any = None) -> 
         )
 
 
+def _own_tensors(m: nn.Module) -> list[torch.Tensor]:
+    """``m``'s own parameters and buffers (not its children's)."""
+    return [*m.parameters(recurse=False), *m.buffers(recurse=False)]
+
+
 def _owns_meta(m: nn.Module) -> bool:
-    return any(t.is_meta for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)))
+    return any(t.is_meta for t in _own_tensors(m))
+
+
+def _reset_sharded_params(modules: Iterable[nn.Module]) -> None:
+    """FSDP2 re-reads the sharded parameters of ``modules``' groups after an allocation
+    (what its own ``_apply`` does after ``to_empty``)."""
+    for module in modules:
+        for g in param_groups(module):
+            for fp in group_params(g):
+                reset_sharded_param(fp)
 
 
 def _materialize_meta_modules(root: nn.Module, device: torch.device, hf_init: dict[int, Callable[[nn.Module], None]],
@@ -353,10 +367,7 @@ def _materialize_meta_modules(root: nn.Module, device: torch.device, hf_init: di
     drawn into the shards."""
     todo = [m for m in root.modules() if _owns_meta(m)]
     _to_empty_keeping_ties(todo, device)
-    for fsdp_module in fsdp_modules(root):
-        for g in param_groups(fsdp_module):
-            for fp in group_params(g):
-                reset_sharded_param(fp)
+    _reset_sharded_params(fsdp_modules(root))
     _initialize(todo, hf_init, missing, loads)
 
 
@@ -380,8 +391,7 @@ def _to_empty_keeping_ties(modules: Iterable[nn.Module], device: torch.device,
 def _initialize(modules: Iterable[nn.Module], hf_init: dict[int, Callable[[nn.Module], None]],
                 missing: set[str], loads: Loads) -> None:
     for m in modules:
-        own = [*m.parameters(recurse=False), *m.buffers(recurse=False)]
-        if not own:
+        if not _own_tensors(m):
             continue
         if not loads.init_needed(m):  # every tensor from a pretrained folder: nothing to draw
             loads.fill(m)
@@ -466,8 +476,7 @@ def _materialize_streaming(root: nn.Module, device: torch.device, store: Any,
             continue
         if id(group_root) not in ready:
             ready.add(id(group_root))
-            real = [type(sub).__name__ for sub in _own_modules(group_root) if not _owns_meta(sub)
-                    and any(True for _ in (*sub.parameters(recurse=False), *sub.buffers(recurse=False)))]
+            real = [type(sub).__name__ for sub in _own_modules(group_root) if _own_tensors(sub) and not _owns_meta(sub)]
             if real:  # to_empty of the group would lose their values
                 raise TypeError(
                     f"offload_param='nvme' streams each FSDP group to disk as it is initialized, but the group of "
@@ -475,9 +484,7 @@ def _materialize_streaming(root: nn.Module, device: torch.device, store: Any,
                     "Fix: build the whole model on the meta device (ZeroConfig.meta_init=True, the default, with "
                     "nothing loaded for real), or all of it for real (meta_init=False)")
             _to_empty_keeping_ties(_own_modules(group_root), device, replaced)
-            for g in param_groups(group_root):
-                for fp in group_params(g):
-                    reset_sharded_param(fp)
+            _reset_sharded_params([group_root])
         _initialize([m], hf_init, missing, loads)
         left[id(group_root)] -= 1
         if not left[id(group_root)]:

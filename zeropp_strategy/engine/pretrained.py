@@ -76,10 +76,10 @@ class PretrainedFolder:
         self.file_of: dict[str, str] = {}
         self._handles: dict[str, Any] = {}
         for name in files:
-            keys = self._open(name).keys()
-            for key in keys:
+            handle = self._open(name)
+            for key in handle.keys():
                 self.file_of[key] = name
-                self.shapes[key] = tuple(self._open(name).get_slice(key).get_shape())
+                self.shapes[key] = tuple(handle.get_slice(key).get_shape())
         if weight_map is not None:
             lost = sorted(k for k, f in weight_map.items() if self.file_of.get(k) != f)
             if lost:
