@@ -209,6 +209,10 @@ def main() -> None:
         runs[f"{Path(args.load).name}-{args.dtype}"] = res
         RESULTS.write_text(json.dumps(runs, indent=1) + "\n")
         print(table(res))
+        bad = [c["mode"] for c in res["cells"]
+               if c["returncode"] != 0 or len(c["ranks"]) != (1 if c["mode"] == "plain" else 2)]
+        if bad:  # a cell that died leaves no figure: the table is partial, and says nothing of it
+            sys.exit(f"pretrained.py: cells {', '.join(bad)} failed or left ranks without results (see the log above)")
 
 
 if __name__ == "__main__":
