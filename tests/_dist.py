@@ -29,8 +29,30 @@ from datetime import timedelta
 from typing import Any
 
 
+# MASTER_PORTs come from below the kernel's ephemeral range (32768-60999 on Linux), split
+# between pytest-xdist workers: a port that is free when picked can otherwise be taken
+# before the TCPStore binds it, by a gloo connection's ephemeral port or by the other
+# worker's pick (EADDRINUSE, seen with two workers).
+_PORTS = range(20000, 32000)
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    import random
+
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    count = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    span = len(_PORTS) // count
+    start = _PORTS.start + (index % count) * span
+    for _ in range(100):
+        port = random.randrange(start, start + span)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # the whole range busy: any free port
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -121,6 +121,20 @@ def test_candidates_skip_trainable_small_and_uneven():
     assert type(sd["a.weight"]) is torch.Tensor and torch.equal(sd["a.weight"], m["a"].weight.data.dequantize())
 
 
+def test_a_tied_weight_stays_tied_when_quantized():
+    """An embedding tied to the output layer (lm_head) is one quantized parameter in both
+    places: quantizing only the first owner would leave the second computing with the old
+    dense weight, and an export could then hold only one of the two."""
+    from torch import nn
+
+    m = nn.ModuleDict({"embed": nn.Embedding(8, 16), "head": nn.Linear(16, 8, bias=False)})
+    m["head"].weight = m["embed"].weight
+    m.requires_grad_(False)
+    names, _ = quantize_frozen(m, shard_world_size=2, block_elems=B, min_elems=0)
+    assert names == ["embed.weight", "head.weight"]
+    assert m["head"].weight is m["embed"].weight and isinstance(m["embed"].weight.data, Int8Weight)
+
+
 def test_meta_parameters_stay_meta_until_initialized():
     from torch import nn
 

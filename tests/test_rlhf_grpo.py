@@ -208,7 +208,10 @@ def two_ranks(tmp_path_factory):
     return run_ranks(_grpo_runs, 2, (tmp,), timeout_s=600), tmp
 
 
-def test_grpo_steps_under_stage3_equal_ddp(two_ranks):
+def test_grpo_steps_under_stage3_match_ddp_to_rtol_1e4(two_ranks):
+    """Each GRPO variant's step metrics under stage 3 against DDP, to rtol 1e-4 / atol 1e-5,
+    not bit for bit, for the reason test_rlhf_ppo.py gives: stage 3 sums gradients in
+    another order, and the run feeds its parameters back into its own samples."""
     results, _ = two_ranks
     for result in results:
         for name in CONFIGS:

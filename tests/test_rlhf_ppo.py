@@ -279,7 +279,11 @@ def two_ranks(tmp_path_factory):
 
 
 @pytest.mark.compat
-def test_ppo_steps_under_stage3_equal_ddp(two_ranks):
+def test_ppo_steps_under_stage3_match_ddp_to_rtol_1e4(two_ranks):
+    """Five PPO step metrics under stage 3 against DDP, to rtol 1e-4 / atol 1e-5, not bit
+    for bit: stage 3 reduce-scatters gradients (a sum in another order than DDP's
+    all-reduce, last-bit differences), and PPO feeds each step's parameters back into
+    the next step's rollouts, log-ratios and advantages, which grows those differences."""
     for result in two_ranks:
         ddp, zero = torch.tensor(result["ddp"]), torch.tensor(result["zeropp_stage_3"])
         assert ddp.shape == zero.shape == (2, 5)

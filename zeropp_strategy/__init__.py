@@ -35,6 +35,8 @@ _EXPORTS = {
     "ZeroConfigWarning": "zeropp_strategy.config",
     "ZeroPPPrecision": "zeropp_strategy.precision",
     "ZeroPPStrategy": "zeropp_strategy.strategy",
+    "export_adapters": "zeropp_strategy.checkpoint.export",
+    "export_pretrained": "zeropp_strategy.checkpoint.export",
     "from_pretrained": "zeropp_strategy.engine.pretrained",
 }
 

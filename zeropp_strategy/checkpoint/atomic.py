@@ -171,6 +171,22 @@ def staged_directory(path: Path, nonce: str, *, is_writer: bool) -> Iterator[Pat
     yield tmp
 
 
+@contextmanager
+def published_directory(path: Path) -> Iterator[Path]:
+    """One writer's folder: yield a private sibling to write into; published onto ``path``
+    (replacing an existing one) when the block ends without an error, removed otherwise."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale(path)
+    nonce = new_nonce()
+    tmp = tmp_sibling(path, nonce)
+    tmp.mkdir(mode=0o700)
+    try:
+        yield tmp
+        publish(tmp, path, nonce)
+    finally:
+        remove_path(tmp)  # gone already once published
+
+
 def is_complete(path: Path) -> bool:
     """A published checkpoint: a file, or a sharded directory with its meta file."""
     path = Path(path)

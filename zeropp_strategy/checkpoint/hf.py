@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from zeropp_strategy.checkpoint.atomic import new_nonce, publish, remove_path, remove_stale, tmp_sibling
+from zeropp_strategy.checkpoint.atomic import published_directory
 from zeropp_strategy.checkpoint.integrity import CheckpointError
 from zeropp_strategy.engine.pretrained import tied_aliases
 
@@ -391,15 +391,7 @@ def write_hf(
         raise FileExistsError(f"{path} already exists. Fix: choose another folder, or pass overwrite=True.")
     plans = {sub: _plan(model, path / sub, dtype, max_shard_bytes) for sub, model in named.items()}
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale(path)
-    nonce = new_nonce()
-    tmp = tmp_sibling(path, nonce)
-    tmp.mkdir(mode=0o700)
-    try:
+    with published_directory(path) as tmp:
         for sub, plan in plans.items():
             _write_model(plan, tmp / sub)
-        publish(tmp, path, nonce)
-    finally:
-        remove_path(tmp)  # gone already once published
     return path

@@ -344,18 +344,23 @@ def frozen_int8_candidates(
     # ``zeropp_keep_dense = True``: quantized storage would drop every update.
     for dense_root in [m for m in module.modules() if getattr(m, "zeropp_keep_dense", False)]:
         seen.update(id(p) for p in dense_root.parameters())
+    picked: set[int] = set()
     for owner_name, owner in module.named_modules():
         for name, p in owner.named_parameters(recurse=False):
+            full = f"{owner_name}.{name}" if owner_name else name
+            if id(p) in picked:  # a tied weight's second owner (lm_head): the same quantized parameter, still tied
+                chosen.append((owner, name, full, p))
+                continue
             if id(p) in seen or p.requires_grad or not p.is_floating_point() or isinstance(p.data, QuantizedWeight):
                 continue
             seen.add(id(p))
-            full = f"{owner_name}.{name}" if owner_name else name
             if p.dim() < 2 or p.numel() < min_elems:
                 continue
             if p.shape[0] % shard_world_size:
                 dense.append(f"{full} ({p.shape[0]} rows do not divide by {shard_world_size} shards)")
                 continue
             chosen.append((owner, name, full, p))
+            picked.add(id(p))
     return chosen, dense
 
 

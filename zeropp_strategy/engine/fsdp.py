@@ -396,6 +396,8 @@ def _initialize(modules: Iterable[nn.Module], hf_init: dict[int, Callable[[nn.Mo
         if not loads.init_needed(m):  # every tensor from a pretrained folder: nothing to draw
             loads.fill(m)
             continue
+        if getattr(hf_init.get(id(m)), "done", False):  # a LoRA B that peft initialized with its A
+            continue
         # Inside a Hugging Face model its own init wins: nn.Embedding.reset_parameters
         # draws N(0, 1) where the model wants N(0, initializer_range).
         with _whole_tensors(m):

@@ -54,22 +54,27 @@ def lora_inits(root: nn.Module,
                     "yet", "use init_lora_weights=True or 'gaussian', or build the model for real with "
                     "ZeroPPStrategy(meta_init=False) (init_module(empty_init=False))")
             a, b = layer.lora_A[adapter], layer.lora_B[adapter]
-            reset = _once(layer, adapter, init, (a, b), whole)
+            reset = _Once(layer, adapter, init, (a, b), whole)
             out[id(a)] = out[id(b)] = reset
     return out
 
 
-def _once(layer: Any, adapter: str, init: Any, linears: tuple[nn.Module, ...],
-          whole: Callable[[nn.Module], AbstractContextManager]) -> Callable[[nn.Module], None]:
-    done: list[bool] = []
+class _Once:
+    """peft's initialization of one adapter's A and B, run by the first of the two modules
+    ``materialize`` reaches, over both whole tensors. ``done`` then tells ``materialize`` to
+    leave the second alone: wrapping it in whole tensors again would write back a fresh
+    uninitialized tensor over the values peft drew."""
 
-    def reset(module: nn.Module) -> None:  # called for A and for B: the first call does it
-        if done:
+    def __init__(self, layer: Any, adapter: str, init: Any, linears: tuple[nn.Module, ...],
+                 whole: Callable[[nn.Module], AbstractContextManager]) -> None:
+        self.layer, self.adapter, self.init, self.linears, self.whole = layer, adapter, init, linears, whole
+        self.done = False
+
+    def __call__(self, module: nn.Module) -> None:
+        if self.done:
             return
-        done.append(True)
+        self.done = True
         with ExitStack() as stack:
-            for linear in linears:
-                stack.enter_context(whole(linear))
-            layer.reset_lora_parameters(adapter, init)
-
-    return reset
+            for linear in self.linears:
+                stack.enter_context(self.whole(linear))
+            self.layer.reset_lora_parameters(self.adapter, self.init)

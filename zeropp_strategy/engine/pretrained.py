@@ -195,6 +195,12 @@ class Loads:
     def _own(self, m: nn.Module) -> list[tuple[str, torch.Tensor]]:
         return [*m._parameters.items(), *m._buffers.items()]
 
+    @staticmethod
+    def _key(folder: PretrainedFolder, key: str) -> str:
+        """The file's name for a tensor: peft's LoRA layers move a base weight from
+        ``q_proj.weight`` to ``q_proj.base_layer.weight``."""
+        return key if key in folder.shapes else key.replace(".base_layer.", ".")
+
     def init_needed(self, m: nn.Module) -> bool:
         """Whether ``m`` needs its initialization: it is not from a folder, or some tensor of
         its own is neither in the files nor filled already (a rotary cache, say)."""
@@ -202,7 +208,7 @@ class Loads:
         if src is None:
             return True
         folder, prefix = src
-        return any(t is not None and id(t) not in self.done and prefix + n not in folder.shapes
+        return any(t is not None and id(t) not in self.done and self._key(folder, prefix + n) not in folder.shapes
                    for n, t in self._own(m))
 
     def fill(self, m: nn.Module) -> None:
@@ -212,7 +218,7 @@ class Loads:
             return
         folder, prefix = src
         for name, t in self._own(m):
-            key = prefix + name
+            key = self._key(folder, prefix + name)
             if t is None or id(t) in self.done or key not in folder.shapes:
                 continue
             _fill(t, folder, key)
