@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -220,15 +221,15 @@ def summarize(res: dict) -> str:
             lines.append(f"{head} failed (return code {c['returncode']}) | | | | | | |")
             continue
         steps = ranks[0]["steps"]
-        times = sorted(s["step_s"] for s in steps)
+        times = [s["step_s"] for s in steps]
         plan = ranks[0].get("plan") or {}
         disk = [s["disk_read_bytes"] + s["disk_write_bytes"] for s in steps[1:]] or [0]
         predicted = 2 * (plan.get("read_per_step", 0) + plan.get("write_per_step", 0))
         lines.append(
-            f"{head} trained {len(steps)} steps | {times[len(times) // 2]:.1f} | {steps[0]['loss']:.3f} -> "
+            f"{head} trained {len(steps)} steps | {statistics.median(times):.1f} | {steps[0]['loss']:.3f} -> "
             f"{steps[-1]['loss']:.3f} | {ranks[0]['peak']['VmRSS'] / 2**30:.2f} / {ranks[1]['peak']['VmRSS'] / 2**30:.2f}"
             f" | {max(r['peak']['RssAnon'] for r in ranks) / 2**30:.2f} / {max(r['peak']['RssFile'] for r in ranks) / 2**30:.2f}"
-            f" | {plan.get('budget_bytes', 0) / 2**30:.2f} | {sorted(disk)[len(disk) // 2] / gb:.1f} / {predicted / gb:.1f} |")
+            f" | {plan.get('budget_bytes', 0) / 2**30:.2f} | {statistics.median(disk) / gb:.1f} / {predicted / gb:.1f} |")
     fio = res["meta"].get("fio") or {}
     bw = [f"{k}: {v['Bps'] / gb:.2f} GB/s" for k, v in fio.items() if "Bps" in v]
     lines += ["", f"Drive (fio, sequential, 8 MiB requests): {', '.join(bw) or 'not measured'}."]

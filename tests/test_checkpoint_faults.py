@@ -332,3 +332,22 @@ def test_consolidate_never_writes_an_empty_or_partial_result(group, tmp_path):
         with pytest.raises(CheckpointError, match=pattern):
             consolidate(ckpt, tmp_path / f"{name}.ckpt")
         assert not list(tmp_path.glob(f"{name}.ckpt*")), "nothing is left behind"
+
+
+def test_a_flipped_byte_in_a_full_checkpoint_is_refused_with_the_file_named(tmp_path):
+    """Full (one-file) checkpoints: torch.save's zip entries carry CRC-32s that torch.load
+    does not check; safe_load checks them first (integrity.verify_file)."""
+    import torch
+
+    from zeropp_strategy.checkpoint.atomic import atomic_torch_save, safe_load
+    from zeropp_strategy.checkpoint.integrity import CheckpointError
+
+    state = {"state_dict": {"w": torch.randn(256, 256), "b": torch.zeros(256)}, "epoch": 3}
+    path = tmp_path / "full.ckpt"
+    atomic_torch_save(state, path)
+    assert torch.equal(safe_load(path)["state_dict"]["w"], state["state_dict"]["w"])
+    _flip_byte(path)  # the middle of the file: inside w's bytes
+    assert torch.load(path, weights_only=True)["epoch"] == 3  # torch alone loads it, silently wrong
+    with pytest.raises(CheckpointError, match=rf"checkpoint {path} is damaged: its entry .*data/\d+ Bad CRC-32.*"
+                                              r"Nothing was loaded from it\. Fix: "):
+        safe_load(path)

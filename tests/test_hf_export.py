@@ -125,6 +125,15 @@ def test_partial_or_foreign_weights_are_refused_and_nothing_is_left(tmp_path):
         write_hf(folder, HFModel(weights={}, config=model.config))  # no class: unchecked, but not empty
     with pytest.raises(ValueError, match=r"weights \['w'\] are not tensors"):
         write_hf(folder, HFModel(weights={"w": 1.0}, config=model.config))
+
+    class ComputesOnItsWeights(LlamaForCausalLM):  # an __init__ that reads a value: no meta build, no check
+        def __init__(self, config):
+            super().__init__(config)
+            self.scale = float(self.model.embed_tokens.weight.abs().max())
+
+    with pytest.raises(ValueError, match=r"cannot check the weights against ComputesOnItsWeights: .* "
+                                         r"Fix: pass HFModel\(model_cls=None\)"):
+        write_hf(folder, HFModel(weights=model.state_dict(), config=model.config, model_cls=ComputesOnItsWeights))
     assert nothing_left(folder)
 
 

@@ -62,7 +62,7 @@ from zeropp_strategy.engine.precision import (
     clip_grad_norm_rows,
     clip_grad_value,
 )
-from zeropp_strategy.engine.process_group import check_offload_paths, connect
+from zeropp_strategy.engine.process_group import check_offload_paths, connect, destroy_at_exit
 from zeropp_strategy.fsdp_private import keep_unsharded_after_forward
 from zeropp_strategy.plan import Plan
 from zeropp_strategy.topology import Meshes, Topology
@@ -138,6 +138,7 @@ class ZeroSession:
                                   device=device, precision=precision, info=info,
                                   gather_16bit_default=gather_16bit_default)
         log.debug("%s", engine.plan.describe())
+        destroy_at_exit()  # after whoever created the default group: [Note: orderly exit]
         return cls(engine, where=where, on_nonfinite=on_nonfinite, backend=backend or "gloo")
 
     # -- what the session holds -----------------------------------------------------------
@@ -336,8 +337,16 @@ class ZeroSession:
         if self.engine.watchdog is not None and not isinstance(exception, KeyboardInterrupt):
             self.engine.watchdog.explain(exception)
 
+    def quiesce(self) -> None:
+        """Finish the comm thread's queued work and stop the thread (the next collective
+        that needs it starts it again). Every front-end's teardown: no thread of ours is
+        left inside a collective when the run is over ([Note: orderly exit])."""
+        self.engine.stop_comm_thread()
+
     def close(self, optimizers: Iterable[Any] = ()) -> None:
-        """Release what offload holds (swap files, mapped shards) and forget the modules."""
+        """Release what offload holds (swap files, mapped shards), stop the comm thread and
+        forget the modules."""
+        self.quiesce()
         for optimizer in optimizers:
             close_offload(optimizer)
         for store in self.engine.param_stores:

@@ -352,6 +352,8 @@ class StrategyMixin(CheckpointMixin, EvaluationMixin, ProcessMixin):
     def teardown(self) -> None:
         # Offloaded optimizers keep their swap files past fit (trainer.save_checkpoint after
         # fit needs them); they are removed when the optimizer is freed or at exit.
+        if self._session is not None:
+            self._session.quiesce()  # no comm thread left in a collective: [Note: orderly exit]
         if isinstance(self.model, DistributedDataParallel):
             self.model = self.lightning_module
         if (module := self.lightning_module) is not None and any(t.is_meta for t in (*module.parameters(), *module.buffers())):

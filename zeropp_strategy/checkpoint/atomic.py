@@ -82,8 +82,9 @@ def safe_load(path: Path, weights_only: bool | None = None, *, mmap: bool = Fals
     """``torch.load`` with ``weights_only=True`` unless the caller opted out explicitly.
 
     Loading a sharded checkpoint's ``META_FILE`` first verifies the directory's files
-    against their checksums ([Note: checkpoint checksums]). ``collective`` (default: a
-    process group is up) means every rank loads it, and they share the reading.
+    against their checksums, any other file the CRC-32 of its zip entries ([Note:
+    checkpoint checksums]). ``collective`` (default for ``META_FILE``: a process group is
+    up; for any other file: False) means every rank loads it, and they share the reading.
     """
     import pickle
 
@@ -93,7 +94,9 @@ def safe_load(path: Path, weights_only: bool | None = None, *, mmap: bool = Fals
             import torch.distributed as dist
 
             collective = dist.is_available() and dist.is_initialized()
-        integrity.verify(path.parent, collective=collective)
+        integrity.verify(path.parent, collective=collective)  # the directory's record covers this file too
+    else:  # shared only when asked: a caller may load a full file on one rank alone
+        integrity.verify_file(path, collective=bool(collective))
     weights_only = True if weights_only is None else weights_only
     try:
         return torch.load(path, map_location="cpu", weights_only=weights_only, mmap=mmap)

@@ -144,9 +144,12 @@ def _skeleton(model_cls: type | None, config: Any) -> Any:
     try:
         with torch.device("meta"):
             return model_cls(config)
-    except Exception as err:  # an __init__ that computes on its weights: export without the checks
-        log.warning("could not build %s on the meta device (%s): exporting its weights unchecked", model_cls, err)
-        return None
+    except Exception as err:  # an __init__ that computes on its weights: no names to check against
+        raise ValueError(
+            f"cannot check the weights against {model_cls.__name__}: it cannot be built on the meta device ({err}); "
+            "nothing was written. Fix: pass HFModel(model_cls=None) to write the weights unchecked (transformers "
+            "then reports missing or unexpected weights when it loads the folder)."
+        ) from err
 
 
 def _weight_converter(skeleton: Any) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None:

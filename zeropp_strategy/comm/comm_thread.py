@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +33,9 @@ import torch.distributed as dist
 from zeropp_strategy.comm.hierarchical import NodeGroups
 from zeropp_strategy.topology import Topology
 
-__all__ = ["BackwardDeferral", "CommThread", "ThreadGroups"]
+__all__ = ["BackwardDeferral", "CommThread", "ThreadGroups", "close_all"]
+
+_LIVE: weakref.WeakSet[CommThread] = weakref.WeakSet()  # for close_all at exit
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,7 @@ class CommThread:
         self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], torch.futures.Future] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        _LIVE.add(self)
 
     def submit(self, job: Callable[[], Any]) -> torch.futures.Future:
         """Queue ``job``; its future gets the job's return value, or its exception."""
@@ -88,13 +92,22 @@ class CommThread:
             # at the end of backward: 4 P_root bytes); idle, this thread must hold none of them.
             job = future = result = None  # noqa: F841
 
-    def close(self) -> None:
-        """Let queued jobs finish, then stop the thread."""
+    def close(self, timeout: float | None = None) -> bool:
+        """Let queued jobs finish, then stop the thread (a later ``submit`` starts a new
+        one). Returns False if it was still running a job after ``timeout`` seconds (a
+        collective waiting for a peer that is gone)."""
         with self._lock:
             thread, self._thread = self._thread, None
         if thread is not None:
             self._jobs.put(None)
-            thread.join()
+            thread.join(timeout)
+            return not thread.is_alive()
+        return True
+
+
+def close_all(timeout: float | None = None) -> bool:
+    """``close`` every comm thread of this process; False if one is stuck in a job."""
+    return all([thread.close(timeout) for thread in list(_LIVE)])
 
 
 class BackwardDeferral:

@@ -210,6 +210,12 @@ class ZeroEngine:
             self._comm_thread = CommThread()
         return self._comm_thread, self._thread_groups
 
+    def stop_comm_thread(self) -> None:
+        """Let the comm thread finish its queued jobs and stop; its groups stay (a later
+        job starts the thread again; the groups go at exit: [Note: orderly exit])."""
+        if self._comm_thread is not None:
+            self._comm_thread.close()
+
     def deferral(self) -> BackwardDeferral | None:
         """Stages 2/3 on the host: reduce-scatters finish at the end of backward ([Note:
         deferred reduce-scatter]). None on accelerators, where FSDP2's streams overlap them."""

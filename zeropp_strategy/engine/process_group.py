@@ -74,27 +74,57 @@ _EXIT_HOOK_INSTALLED = False
 
 
 def destroy_at_exit() -> None:
-    """Destroy the process groups when the interpreter exits, once per process.
+    """At interpreter exit, take the communication down in an order that cannot abort,
+    once per process, whoever created the default group (us, Lightning, Accelerate, the
+    launcher).
 
-    A gloo process group still alive when the interpreter tears down can abort the process
-    ("terminate called without an active exception") after training finished, which torchrun
-    then reports as a failed job; seen on one rank in about one run in ten with qgZ's
-    intra/inter-node subgroups. Destroying them first, while Python is still whole, joins
-    gloo's threads cleanly. Local only (no collective): by exit every collective is done.
+    [Note: orderly exit]
+    A gloo process group still alive when the interpreter finalizes can abort the process
+    ("terminate called without an active exception") after training finished, which
+    torchrun then reports as a failed job: its worker threads are torn down by C++ static
+    destruction while they still hold work. Seen on one rank in about one run in ten on
+    the simulated 2x2 cluster. At exit, while Python is still whole, in this order:
+    1. every comm thread is stopped after its queued jobs (``close_all``), so none is
+       inside a collective of the groups about to go; at most 10 s each: one stuck in a
+       collective whose peer is gone means the run failed, and then nothing below is
+       attempted, since destroying a group with work in flight can block;
+    2. the peer watchdog marks this rank ended and stops (it uses the store);
+    3. ``destroy_process_group()``: every group, ours (the comm thread's, hpZ's, the
+       meshes') and the default one, shut down in torch's own order (reverse creation).
+       After an uncaught exception under NCCL this is skipped: its shutdown may wait
+       for peers that are gone (the trap torchtitan met); gloo's is local;
+    4. a garbage collection, so that the groups' C++ objects are freed now.
+    Local only: by exit every collective is done. Registered by ``ZeroSession.start``,
+    which runs after whatever created the default group, so it runs before the exit
+    hooks of the code that started the session (atexit runs the last registered first).
     """
     global _EXIT_HOOK_INSTALLED
     if _EXIT_HOOK_INSTALLED:
         return
     _EXIT_HOOK_INSTALLED = True
+    atexit.register(_orderly_exit)
 
-    def destroy() -> None:
+
+def _orderly_exit() -> None:
+    import gc
+    import sys
+
+    from zeropp_strategy.comm.comm_thread import close_all
+    from zeropp_strategy.engine.watchdog import current
+
+    try:
+        if not close_all(timeout=10.0):
+            return
+        watchdog = current()
+        if watchdog is not None:
+            watchdog.stop()
         if dist.is_available() and dist.is_initialized():
-            try:
+            failed = getattr(sys, "last_value", None) is not None
+            if not (failed and dist.get_backend() == "nccl"):
                 dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - best effort at exit; never mask the real exit status
-                pass
-
-    atexit.register(destroy)
+        gc.collect()
+    except Exception:  # noqa: BLE001 - best effort at exit; never mask the real exit status
+        pass
 
 
 def connect(
@@ -119,5 +149,4 @@ def connect(
     if store is not None:
         kwargs["store"] = store
     init(backend, **kwargs)
-    destroy_at_exit()
     return backend
