@@ -24,8 +24,8 @@ RECIPE = {
     "ppo": {"model": {"rollout_batch_size": 4, "mini_batch_size": 2, "max_new_tokens": 3, "actor_lr": 1e-3},
             "trainer": {"max_epochs": 1, "limit_train_batches": 2, "limit_val_batches": 1}},
 }
-KEYS = ("sft_task_accuracy", "rm_pairwise_accuracy", "ppo_reward_before", "ppo_reward_after",
-        "ppo_task_accuracy_before", "ppo_task_accuracy_after", "final_actor", "bytes_sent_rank0")
+KEYS = ("sft_task_accuracy_greedy", "rm_pairwise_accuracy", "ppo_reward_before", "ppo_reward_after",
+        "ppo_task_accuracy_sampled_before", "ppo_task_accuracy_sampled_after", "final_actor", "bytes_sent_rank0")
 
 
 def test_pipeline_runs_the_three_stages_and_writes_the_summary(tmp_path):
@@ -88,7 +88,7 @@ def test_pipeline_rl_grpo_runs_sft_then_grpo_and_writes_the_summary(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["rl"] == "grpo" and not (out / "reward").exists() and "rm_pairwise_accuracy" not in summary
-    for key in ("sft_task_accuracy", "grpo_task_accuracy_before", "grpo_task_accuracy_after",
+    for key in ("sft_task_accuracy_greedy", "grpo_task_accuracy_sampled_before", "grpo_task_accuracy_sampled_after",
                 "actor_greedy_task_accuracy"):
         assert 0.0 <= summary[key] <= 1.0, (key, summary[key])
     assert set(summary["bytes_sent_rank0"]) == {"sft", "grpo"} and all(summary["bytes_sent_rank0"].values())

@@ -111,7 +111,7 @@ class Topology:
         return list(range(start, start + self.ranks_per_node))
 
     def describe(self) -> str:
-        kind = "simulated nodes" if self.simulated else "nodes"
+        kind = ("simulated node" if self.simulated else "node") + ("s" if self.num_nodes != 1 else "")
         return (
             f"topology: world_size={self.world_size} = {self.num_nodes} {kind} x "
             f"{self.ranks_per_node} ranks/node (from {self.source}); "

@@ -329,7 +329,9 @@ def _main(argv: list[str], prog: str | None = None) -> int:
         return USAGE_EXIT
     files = [out] if out.is_file() else [p for p in out.rglob("*") if p.is_file()]
     total = sum(p.stat().st_size for p in files)
-    print(f"wrote {out} ({len(files)} file{'s' * (len(files) != 1)}, {total / 2**20:.1f} MiB)")
+    size = next(f"{total / 2**e:.1f} {unit}" for e, unit in ((30, "GiB"), (20, "MiB"), (10, "KiB"), (0, "bytes"))
+                if total >= 2**e or e == 0)
+    print(f"wrote {out} ({len(files)} file{'s' * (len(files) != 1)}, {size})")
     return 0
 
 

@@ -19,9 +19,9 @@ Output, in ``--output-dir``:
     actor/    the PPO or GRPO actor, the final model (Hugging Face folder)
     summary.json
 
-``summary.json`` holds ``rl``, ``sft_task_accuracy`` (greedy decoding of the SFT folder on
+``summary.json`` holds ``rl``, ``sft_task_accuracy_greedy`` (greedy decoding of the SFT folder on
 the held-out prompts), ``rm_pairwise_accuracy`` (held-out pairs; ppo), ``<rl>_reward_before``
-/ ``<rl>_reward_after`` and ``<rl>_task_accuracy_before`` / ``<rl>_task_accuracy_after``
+/ ``<rl>_reward_after`` and ``<rl>_task_accuracy_sampled_before`` / ``<rl>_task_accuracy_sampled_after``
 (the same held-out prompts and sampling draws, before and after the RL stage), the
 exported actor's greedy accuracy, the bytes each stage sent, the wall time of each stage
 and the final actor's folder.
@@ -194,7 +194,7 @@ def run_pipeline(recipe: dict[str, Any], output_dir: str | Path, *, strategy: st
     rank0 = trainer.is_global_zero
     if rank0 and block["sft"].get("data", "embedded:addition") == "embedded:addition":
         accuracy, example = task_accuracy(root / "sft", sft.tokenizer, load_records("embedded:addition", kind="eval"))
-        summary["sft_task_accuracy"], summary["sft_example"] = round(accuracy, 4), example
+        summary["sft_task_accuracy_greedy"], summary["sft_example"] = round(accuracy, 4), example
 
     if rl == "ppo":
         # 2. reward model, from the SFT model's body
@@ -220,8 +220,8 @@ def run_pipeline(recipe: dict[str, Any], output_dir: str | Path, *, strategy: st
     after = {k: _metric(trainer, f"val_{k}") for k in ("reward", "task_accuracy")}
     summary.update({
         f"{rl}_reward_before": round(before["reward"], 4), f"{rl}_reward_after": round(after["reward"], 4),
-        f"{rl}_task_accuracy_before": round(before["task_accuracy"], 4),
-        f"{rl}_task_accuracy_after": round(after["task_accuracy"], 4),
+        f"{rl}_task_accuracy_sampled_before": round(before["task_accuracy"], 4),
+        f"{rl}_task_accuracy_sampled_after": round(after["task_accuracy"], 4),
     })
     summary["bytes_sent_rank0"][rl] = _ledger_bytes(trainer)
     summary["seconds"][rl] = round(time.perf_counter() - start, 1)
@@ -254,6 +254,6 @@ def main(argv: list[str] | None = None, prog: str = "zeropp pipeline") -> int:
     args = parser.parse_args(argv)
     recipe = load_recipe(args.config, rl=args.rl)
     summary = run_pipeline(recipe, args.output_dir, strategy=args.strategy, devices=args.devices, rl=args.rl)
-    if "sft_task_accuracy" in summary or "actor_example" in summary:  # rank 0
+    if "sft_task_accuracy_greedy" in summary or "actor_example" in summary:  # rank 0
         print(json.dumps(summary, indent=2))
     return 0
