@@ -294,3 +294,35 @@ def test_torchrun_restart_works_with_the_accelerator(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-5000:]
     assert "attempt 1 rank 0 done" in out and "attempt 1 rank 1 done" in out, out[-3000:]
+
+
+def _pickle_worker(rank, world):
+    import copy
+    import pickle
+
+    import torch
+
+    from zeropp_strategy.accelerate import ZeroPPAccelerator
+
+    accelerator = ZeroPPAccelerator(zero_config={"stage": 3}, cpu=True)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(32.0)), batch_size=4)
+    accelerator.prepare(data)
+    back = pickle.loads(pickle.dumps(accelerator))  # Accelerate's own test_pickle_accelerator does this
+    state = accelerator.__getstate__()
+    state["_zero_session_pid"] = -1  # as if unpickled in another process
+    elsewhere = ZeroPPAccelerator.__new__(ZeroPPAccelerator)
+    elsewhere.__setstate__(state)
+    try:
+        elsewhere.session
+        refused = None
+    except RuntimeError as e:
+        refused = str(e)
+    return {"state_equal": accelerator.state.__dict__ == back.state.__dict__,
+            "same_session": back.zero_session is accelerator.zero_session,
+            "deepcopy_is_self": copy.deepcopy(accelerator) is accelerator, "elsewhere": refused}
+
+
+def test_the_accelerator_pickles_as_accelerates_does():
+    for out in run_ranks(_pickle_worker, 2, timeout_s=180):
+        assert out["state_equal"] and out["same_session"] and out["deepcopy_is_self"], out
+        assert out["elsewhere"] is not None and "unpickled in another process" in out["elsewhere"], out

@@ -145,6 +145,10 @@ class _CheckedOptimizer(AcceleratedOptimizer):
         return super().step(closure)
 
 
+# id(accelerator) -> (its session, its scaler), for unpickling in the same process
+_LIVE_SESSIONS: dict[int, tuple[Any, Any]] = {}
+
+
 class ZeroPPAccelerator(Accelerator):
     """``accelerate.Accelerator`` whose models and optimizers run on the zeropp engine.
 
@@ -208,10 +212,35 @@ class ZeroPPAccelerator(Accelerator):
         else:
             config.validate_for_world(self.num_processes, ranks_per_node)
 
+    # -- pickling: as Accelerate's own ----------------------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What ``pickle`` keeps: everything but the session, which holds process groups
+        (no process can take those over). Unpickled in the process that made it, the
+        accelerator finds that process's session again (``__setstate__``); elsewhere it
+        has none (``session`` says so). ``copy.deepcopy`` returns the accelerator itself,
+        as Accelerate's does."""
+        state = self.__dict__.copy()
+        state["zero_session"] = None
+        state["_zero_session_pid"] = os.getpid() if self.zero_session is not None else None
+        if isinstance(state.get("scaler"), ShardedGradScaler):  # its group goes with the session
+            state["scaler"] = None
+        _LIVE_SESSIONS[id(self)] = self.zero_session, self.scaler
+        state["_zero_session_key"] = id(self)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        key, pid = state.pop("_zero_session_key", None), state.pop("_zero_session_pid", None)
+        self.__dict__.update(state)
+        if pid is not None and pid == os.getpid() and key in _LIVE_SESSIONS:
+            self.zero_session, self.scaler = _LIVE_SESSIONS[key]
+
     @property
     def session(self) -> ZeroSession:
         if self.zero_session is None:
-            raise RuntimeError("ZeroPPAccelerator has no session in a single process (nothing to shard).")
+            raise RuntimeError("ZeroPPAccelerator has no session: a single process (nothing to shard), or an "
+                               "accelerator unpickled in another process than the one that made it (its process "
+                               "groups cannot travel). Fix: create the ZeroPPAccelerator in this process.")
         return self.zero_session
 
     @property
