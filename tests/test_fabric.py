@@ -186,3 +186,41 @@ def test_fabric_registry_names():
         assert isinstance(fabric.strategy, ZeroPPFabricStrategy) and fabric.strategy.stage == stage
     with pytest.raises(ValueError, match=r"ZeroConfig\.stage=7"):
         ZeroPPFabricStrategy(stage=7)
+
+
+def _eval_worker(rank, world):
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from tests._models import Net
+
+    fabric = _fabric("zeropp_stage_3", world)
+    torch.manual_seed(0)
+    model = fabric.setup_module(Net())
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+    root = model.module if hasattr(model, "module") else model._forward_module
+
+    def sharded() -> bool:
+        return isinstance(root.embed.weight, DTensor) and isinstance(root.head.weight, DTensor)
+
+    idx = torch.randint(0, 13, (4, 6), generator=torch.Generator().manual_seed(rank))
+    out = {"before": sharded()}
+    model.eval()
+    with torch.no_grad():  # a user's own evaluation loop
+        for _ in range(2):
+            model(idx)
+    out["after_eval"] = sharded()  # the root stays gathered through the loop (gathered once)
+    model.train()
+    out["after_train"] = sharded()  # ...and is freed when training resumes
+    loss = model(idx).float().pow(2).mean()
+    fabric.backward(loss)
+    optimizer.step()
+    out["after_step"] = sharded()
+    return out
+
+
+def test_the_root_is_freed_when_training_resumes_after_an_own_evaluation_loop():
+    """[Note: the root after evaluation] in engine/fsdp.py: FSDP2 keeps the root gathered
+    after a forward for the backward; after a forward-only loop, model.train() frees it."""
+    for out in run_ranks(_eval_worker, 2, timeout_s=180):
+        assert out == {"before": True, "after_eval": False, "after_train": True, "after_step": True}, out

@@ -133,6 +133,32 @@ def fsdp_modules(root: nn.Module) -> list[FSDPModule]:
     return [m for m in root.modules() if isinstance(m, FSDPModule)]
 
 
+def reshard_when_training_resumes(root: nn.Module) -> None:
+    """``root.train()`` after evaluation frees what only a backward would have freed.
+
+    [Note: the root after evaluation]
+    FSDP2 keeps the root (and, at stage 2, every block) gathered after a forward, for the
+    backward that follows. After a forward-only evaluation no backward comes, so the whole
+    root stays gathered on every rank until the next training step: the Lightning
+    strategy reshards at the end of its evaluation loops (evaluation.py), but a Fabric or
+    Accelerate user's own loop has no such end. Their loops end the way PyTorch's idiom
+    does, with ``model.train()``: ``train(True)`` reshards every group (a no-op for one
+    already sharded, and for FSDP2's backward, which gathers again what it needs). Nothing changes inside the loop, so an
+    evaluation still gathers the root once, not once per batch."""
+    switch = root.train
+
+    def train(mode: bool = True) -> nn.Module:
+        out = switch(mode)
+        # Not only on a change of mode: a wrapper's own train() (Fabric's module) may have
+        # set the root's flag already before it reaches the root.
+        if mode:
+            for group in fsdp_modules(root):
+                group.reshard()
+        return out
+
+    root.train = train  # type: ignore[method-assign]
+
+
 def shard_module(
     root: nn.Module,
     config: ZeroConfig,
@@ -193,6 +219,7 @@ def shard_module(
     # FSDP2's own advice is not to reshard the root after forward.
     fully_shard(root, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy, ignored_params=ignored,
                 offload_policy=offload)
+    reshard_when_training_resumes(root)
     install_comms(root, ledger, all_gather=all_gather, reduce_scatter=reduce_scatter, nodes=nodes,
                   wire_dtype=wire_dtype, deferral=deferral)
     set_prefetch(root, blocks)
