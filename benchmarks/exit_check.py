@@ -30,6 +30,14 @@ from benchmarks.simcluster import SimCluster  # noqa: E402
 ABORT = "terminate called"
 
 
+def _commit(root: Path) -> str:
+    """The checkout's commit (a path of this machine does not go into the results)."""
+    import subprocess
+
+    out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return out.stdout.strip() or "unknown"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=30)
@@ -62,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{' ' + lines[0] if lines else ''} ({res.wall_s:.0f} s)", flush=True)
     aborted = [r["run"] for r in runs if r["aborted"]]
     summary = {"system": args.system, "steps": args.steps, "rate": args.rate, "runs": len(runs),
-               "aborted": len(aborted), "aborted_runs": aborted, "package_root": str(package_root),
+               "aborted": len(aborted), "aborted_runs": aborted, "commit": _commit(package_root),
                "wall_s": round(time.monotonic() - start), "per_run": runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(summary, indent=1) + "\n")

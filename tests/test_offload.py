@@ -477,6 +477,7 @@ def _file_bytes(fd: int, store, p) -> bytes:
 
 
 def _write_behind_worker(rank, world, tmp):
+    import threading
     import time
 
     from zeropp_strategy.offload import swap as swap_mod  # the write-behind thread calls its write_back
@@ -501,23 +502,30 @@ def _write_behind_worker(rank, world, tmp):
     # 3. A slow drive: the step returns before the write; readers (and a checkpoint) see the
     # new values meanwhile, also after their pages are dropped mid-write (the all-gather's
     # eviction racing the writer); close() right after the step waits for the write.
-    slow = [0.3]  # the first write of the batch waits 0.3 s, as behind a busy drive
+    # The first write of the batch is held until `release`, as behind a busy drive: a step
+    # that waited for it would return only after it finished (or after 60 s). No timing.
+    release, finished, held = threading.Event(), threading.Event(), []
 
     def slow_write_back(*a):
-        time.sleep(slow.pop() if slow else 0)
+        first = not held
+        held.append(True)
+        if first:
+            release.wait(timeout=60)
         real_write_back(*a)
+        if first:
+            finished.set()
 
     swap_mod.write_back = slow_write_back
-    t0 = time.perf_counter()
     _mlp_step(ref, ref_opt, None, rank, 4)
     _mlp_step(model, opt, store, rank, 4)
     out["pending_after_step"] = store.pending_bytes()
-    out["step_did_not_wait"] = time.perf_counter() - t0 < 0.3
+    out["step_did_not_wait"] = bool(held) and not finished.is_set()
     for region in store._regions.values():
         region.evict(drop_cache=True)
     out["parity_while_pending"] = max((a.full_tensor() - b.full_tensor()).abs().max().item()
                                       for a, b in zip(ref.parameters(), model.parameters()))
     stepped = [t.clone() for t in local]
+    release.set()
     store.close()  # the files are unlinked now; fd still reads this one
     out["closed_file_matches"] = all(_file_bytes(fd, store, p) == t.numpy().tobytes()
                                      for p, t in zip(model.parameters(), stepped))
