@@ -21,7 +21,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 MAIN_COMMAND = "pip install torch==2.13.0 && pip install -e . && zeropp pipeline --output-dir runs/pipeline"
-TEST_COMMAND = 'pip install torch==2.13.0 && pip install -e ".[test]" && python -m pytest -x -q -n 2 --dist loadfile'
+TEST_COMMAND = 'pip install torch==2.13.0 && pip install -e ".[test]" && python -m pytest -x -q'
 TEST_MARKER = "<!-- test-command -->"
 
 
