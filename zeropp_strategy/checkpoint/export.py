@@ -52,12 +52,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from zeropp_strategy.checkpoint.atomic import published_directory
 from zeropp_strategy.checkpoint.hf import DEFAULT_MAX_SHARD_BYTES, HFModel, WeightReader, write_hf
-from zeropp_strategy.checkpoint.integrity import CheckpointError
+from zeropp_strategy.checkpoint.integrity import CheckpointError, is_writer
 from zeropp_strategy.engine.frozen import dense_value
 from zeropp_strategy.engine.guards import agree
 from zeropp_strategy.engine.state import to_full_cpu
@@ -69,8 +68,11 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 
 
-def _writer() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
+@torch.no_grad()
+def _gather(t: torch.Tensor, writer: bool, ledger: Any) -> torch.Tensor | None:
+    """Collective: ``t`` whole on the CPU of the writer (a quantized weight dequantized
+    first, this rank's shard only); None elsewhere."""
+    return to_full_cpu(dense_value(t.detach()), keep=writer, ledger=ledger)
 
 
 def _peft_config(model: nn.Module) -> dict[str, Any] | None:
@@ -186,9 +188,8 @@ class _StreamedGather:
         self.ledger = ledger
         self.next = 0
 
-    @torch.no_grad()
     def _gather(self, t: torch.Tensor) -> torch.Tensor | None:
-        return to_full_cpu(dense_value(t.detach()), keep=self.writer, ledger=self.ledger)
+        return _gather(t, self.writer, self.ledger)
 
     def _take(self, item: _Item) -> torch.Tensor | None:
         full = self._gather(item.tensor)
@@ -251,7 +252,7 @@ def export_pretrained(model: nn.Module, directory: str | os.PathLike[str], *, dt
                          "pass a transformers model (or a peft PeftModel around one)")
     merges = _lora_layers(base, where)
     items, specs, index = _walk(base, merges, where)
-    writer = _writer()
+    writer = is_writer()
     stream = _StreamedGather(items, index, writer, ledger)
 
     def write() -> Path | None:
@@ -287,16 +288,15 @@ def export_adapters(model: nn.Module, directory: str | os.PathLike[str], *, adap
                          f"pass adapter= one of {sorted(configs)}")
     marks = (f".lora_A.{adapter}.", f".lora_B.{adapter}.", f".lora_embedding_A.{adapter}",
              f".lora_embedding_B.{adapter}", f".lora_magnitude_vector.{adapter}", f".modules_to_save.{adapter}.")
-    writer = _writer()
+    writer = is_writer()
     ours = [(key, t) for key, t in _local_tensors(model) if any(m in key for m in marks)]
     if not ours:
         raise UsageError(f"{where}: adapter {adapter!r} has no tensors in the model", "export the model the run trained")
     gathered: dict[str, torch.Tensor] = {}
-    with torch.no_grad():
-        for key, t in ours:  # every rank, in the same order: one gather each
-            full = to_full_cpu(dense_value(t.detach()), keep=writer, ledger=ledger)
-            if writer:
-                gathered[key] = full
+    for key, t in ours:  # every rank, in the same order: one gather each
+        full = _gather(t, writer, ledger)
+        if writer:
+            gathered[key] = full
 
     def write() -> None:
         if writer:
