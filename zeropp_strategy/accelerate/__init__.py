@@ -26,6 +26,7 @@ import contextlib
 import logging
 import os
 import re
+import weakref
 from collections.abc import Generator
 from pathlib import Path
 from types import MethodType
@@ -145,8 +146,8 @@ class _CheckedOptimizer(AcceleratedOptimizer):
         return super().step(closure)
 
 
-# id(accelerator) -> (its session, its scaler), for unpickling in the same process
-_LIVE_SESSIONS: dict[int, tuple[Any, Any]] = {}
+# id(accelerator) -> the accelerator, for unpickling in the same process (held weakly)
+_LIVE: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 
 
 class ZeroPPAccelerator(Accelerator):
@@ -225,15 +226,16 @@ class ZeroPPAccelerator(Accelerator):
         state["_zero_session_pid"] = os.getpid() if self.zero_session is not None else None
         if isinstance(state.get("scaler"), ShardedGradScaler):  # its group goes with the session
             state["scaler"] = None
-        _LIVE_SESSIONS[id(self)] = self.zero_session, self.scaler
+        _LIVE[id(self)] = self
         state["_zero_session_key"] = id(self)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         key, pid = state.pop("_zero_session_key", None), state.pop("_zero_session_pid", None)
         self.__dict__.update(state)
-        if pid is not None and pid == os.getpid() and key in _LIVE_SESSIONS:
-            self.zero_session, self.scaler = _LIVE_SESSIONS[key]
+        original = _LIVE.get(key) if pid is not None and pid == os.getpid() else None
+        if original is not None:
+            self.zero_session, self.scaler = original.zero_session, original.scaler
 
     @property
     def session(self) -> ZeroSession:
