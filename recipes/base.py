@@ -17,7 +17,7 @@ import torch
 from lightning.pytorch import LightningModule
 from torch.utils.data import DataLoader
 
-from zeropp_strategy.rlhf.data import PairCollator, load_records
+from zeropp_strategy.rlhf.data import EvalShard, PairCollator, load_records
 from zeropp_strategy.rlhf.models import build_tokenizer, tiny_llama_config
 
 __all__ = ["DatasetModule", "PairDatasetModule"]
@@ -85,6 +85,7 @@ class PairDatasetModule(DatasetModule):
     def _loader(self, records: list[dict[str, str]], shuffle: bool) -> DataLoader:
         indexed = [{**r, "__index__": i} for i, r in enumerate(records)]  # for per-record caches
         return DataLoader(indexed, batch_size=self.batch_size, shuffle=shuffle,
+                          sampler=None if shuffle else EvalShard(indexed),
                           collate_fn=PairCollator(self.tokenizer, max_length=self.max_length),
                           generator=torch.Generator().manual_seed(self.seed))
 

@@ -8,13 +8,14 @@ Moved here from ``zeropp_strategy.rlhf.modules``, which re-exports it.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 
 from zeropp_strategy.recipes.base import PairDatasetModule
 from zeropp_strategy.rlhf import ops
-from zeropp_strategy.rlhf.models import apply_lora, build_causal_lm, built_for_real, disable_dropout
+from zeropp_strategy.rlhf.models import apply_lora, build_causal_lm, disable_dropout
 
 __all__ = ["DPOModule", "sequence_logprobs"]
 
@@ -76,7 +77,6 @@ class DPOModule(PairDatasetModule):
         #: with precompute_reference: split -> [records, 2] summed log-probs (chosen, rejected)
         self.reference_logps: dict[str, torch.Tensor] = {}
 
-    @built_for_real
     def configure_model(self) -> None:
         if self.policy is not None:
             return
@@ -85,8 +85,9 @@ class DPOModule(PairDatasetModule):
         self.policy = build_causal_lm(self.model_spec).train()  # see SFTModule.configure_model
         if isinstance(self.model_spec, dict):
             self.reference = copy.deepcopy(self.policy)
-        else:
-            self.reference = build_causal_lm(self.model_spec)
+        else:  # precomputed here, in configure_model: it must exist for real (every rank holds it)
+            with torch.device("cpu") if self.precompute_reference else contextlib.nullcontext():
+                self.reference = build_causal_lm(self.model_spec)
         disable_dropout(self.reference.requires_grad_(False)).train()  # from_pretrained gives eval mode; Lightning warns
         self.policy = apply_lora(self.policy, self.lora)
         if self.precompute_reference:

@@ -36,7 +36,6 @@ goes through ``self(kind, ...)``, for the reasons given in ``recipes/ppo.py``'s 
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -45,14 +44,14 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
+from zeropp_strategy.engine.pretrained import copy_on_materialize
 from zeropp_strategy.rlhf import grpo_ops, ops
-from zeropp_strategy.rlhf.data import PromptCollator, load_records
+from zeropp_strategy.rlhf.data import EvalShard, PromptCollator, load_records
 from zeropp_strategy.rlhf.generation import decode_responses, gathered, sample
 from zeropp_strategy.rlhf.models import (
     ScalarHeadModel,
     apply_lora,
     build_causal_lm,
-    built_for_real,
     disable_dropout,
     build_tokenizer,
     positions,
@@ -228,14 +227,13 @@ class GRPOModule(LightningModule):
 
     # -- networks ---------------------------------------------------------------------------
 
-    @built_for_real
     def configure_model(self) -> None:
         if self.actor is not None:
             return
         actor = build_causal_lm(self.actor_spec)
         if self.hparams.beta > 0:  # the reference serves the KL term only: none without it
             spec = self.reference_spec if self.reference_spec is not None else self.actor_spec
-            self.reference = copy.deepcopy(actor) if isinstance(spec, dict) else build_causal_lm(spec)
+            self.reference = copy_on_materialize(actor) if isinstance(spec, dict) else build_causal_lm(spec)
             self.reference.requires_grad_(False)
         if self.reward_spec is not None:
             self.reward_model = ScalarHeadModel(self.reward_spec).requires_grad_(False)
@@ -273,7 +271,9 @@ class GRPOModule(LightningModule):
         return out
 
     def _loader(self, source: str, kind: str, batch_size: int, generator: torch.Generator | None) -> DataLoader:
-        return DataLoader(self._records(source, kind), batch_size=batch_size, shuffle=generator is not None,
+        records = self._records(source, kind)
+        return DataLoader(records, batch_size=batch_size, shuffle=generator is not None,
+                          sampler=None if generator is not None else EvalShard(records),
                           drop_last=generator is not None, generator=generator,
                           collate_fn=_GroupCollator(self.tokenizer, self.hparams.max_prompt_length))
 

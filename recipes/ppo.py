@@ -44,14 +44,14 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from zeropp_strategy.engine.fsdp import fsdp_modules
+from zeropp_strategy.engine.pretrained import copy_on_materialize
 from zeropp_strategy.rlhf import ops
-from zeropp_strategy.rlhf.data import PromptCollator, SFTCollator, load_records
+from zeropp_strategy.rlhf.data import EvalShard, PromptCollator, SFTCollator, load_records
 from zeropp_strategy.rlhf.generation import decode_responses, gathered, sample
 from zeropp_strategy.rlhf.models import (
     ScalarHeadModel,
     apply_lora,
     build_causal_lm,
-    built_for_real,
     disable_dropout,
     build_tokenizer,
     positions,
@@ -194,7 +194,6 @@ class PPOModule(LightningModule):
 
     # -- networks ---------------------------------------------------------------------------
 
-    @built_for_real
     def configure_model(self) -> None:
         if self.actor is not None:
             return
@@ -218,7 +217,7 @@ class PPOModule(LightningModule):
         self.actor = apply_lora(actor, hp.lora)
         self.critic, self.reference, self.reward_model = critic, reference, reward
         if hp.ema_decay is not None:
-            ema = copy.deepcopy(self.actor).requires_grad_(False)
+            ema = copy_on_materialize(self.actor).requires_grad_(False)  # starts as the actor, on meta too
             ema.zeropp_keep_dense = True  # updated in place: never stored as frozen int8
             self.ema_actor = ema
         for net in (self.actor, self.critic, self.reference, self.reward_model, self.ema_actor):
@@ -264,7 +263,8 @@ class PPOModule(LightningModule):
     def val_dataloader(self) -> DataLoader | list:
         if self.hparams.eval_data is None:
             return []
-        return DataLoader(self._prompts(self.hparams.eval_data, "eval"), batch_size=self.hparams.rollout_batch_size,
+        prompts = self._prompts(self.hparams.eval_data, "eval")
+        return DataLoader(prompts, batch_size=self.hparams.rollout_batch_size, sampler=EvalShard(prompts),
                           collate_fn=PromptCollator(self.tokenizer, max_length=self.hparams.max_prompt_length))
 
     def _ptx_batches(self) -> Any:

@@ -15,7 +15,7 @@ import torch
 
 from zeropp_strategy.recipes.base import PairDatasetModule
 from zeropp_strategy.rlhf import ops
-from zeropp_strategy.rlhf.models import ScalarHeadModel, apply_lora, build_causal_lm, built_for_real
+from zeropp_strategy.rlhf.models import ScalarHeadModel, apply_lora, build_causal_lm
 
 __all__ = ["RewardModule"]
 
@@ -62,9 +62,10 @@ class RewardModule(PairDatasetModule):
         self.lora = lora
         self.model: ScalarHeadModel | None = None
         self.reward_mean, self.reward_std = 0.0, 1.0
-        self._val_scores: list[torch.Tensor] = []
+        # record index -> (chosen, rejected) scores of this validation: a batch seen twice (a
+        # padding batch of an uneven evaluation at stage 3, [Note: uneven evaluation]) counts once
+        self._val_scores: dict[int, tuple[float, float]] = {}
 
-    @built_for_real
     def configure_model(self) -> None:
         if self.model is None:
             spec = self.model_spec
@@ -91,15 +92,26 @@ class RewardModule(PairDatasetModule):
         self.log(f"{stage}_chosen", chosen.mean(), sync_dist=True, batch_size=pairs)
         self.log(f"{stage}_rejected", rejected.mean(), sync_dist=True, batch_size=pairs)
         if stage == "val":
-            self._val_scores.append(torch.cat([chosen, rejected]).detach().float())
+            pairs_scores = torch.stack([chosen, rejected], dim=1).detach().float().cpu().tolist()
+            self._val_scores.update(zip(batch["index"].tolist(), map(tuple, pairs_scores), strict=True))
         return loss
 
-
     def on_validation_epoch_end(self) -> None:
-        if self._val_scores:
-            scores = self.all_gather(torch.cat(self._val_scores)).flatten()
-            self.reward_mean, self.reward_std = scores.mean().item(), scores.std().clamp(min=1e-6).item()
-            self._val_scores.clear()
+        """The score statistics PPO normalizes with, over every validation record once: the
+        ranks hold different numbers of records (rlhf.data.EvalShard), so their rows are
+        padded to the longest before the gather and told apart by record index after it."""
+        mine = torch.tensor([[i, c, r] for i, (c, r) in sorted(self._val_scores.items())],
+                            dtype=torch.float64).reshape(-1, 3)
+        self._val_scores.clear()
+        counts = self.all_gather(torch.tensor(len(mine), device=self.device)).reshape(-1).tolist()
+        if not max(counts):
+            return
+        padded = torch.zeros(max(counts), 3, dtype=torch.float64)
+        padded[:len(mine)] = mine
+        rows = self.all_gather(padded.to(self.device)).reshape(-1, max(counts), 3).cpu()
+        scores = {int(i): (c, r) for part, n in zip(rows, counts, strict=True) for i, c, r in part[:n].tolist()}
+        values = torch.tensor([v for pair in scores.values() for v in pair])
+        self.reward_mean, self.reward_std = values.mean().item(), values.std().clamp(min=1e-6).item()
 
     def export_hf(self, directory: str) -> None:
         """Backbone folder + ``value_head.safetensors`` + ``reward_stats.json`` (what

@@ -16,8 +16,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from zeropp_strategy.recipes.base import DatasetModule
-from zeropp_strategy.rlhf.data import SFTCollator
-from zeropp_strategy.rlhf.models import apply_lora, build_causal_lm, built_for_real
+from zeropp_strategy.rlhf.data import EvalShard, SFTCollator
+from zeropp_strategy.rlhf.models import apply_lora, build_causal_lm
 
 __all__ = ["SFTModule"]
 
@@ -73,7 +73,6 @@ class SFTModule(DatasetModule):
         self.lora = lora
         self.model: torch.nn.Module | None = None
 
-    @built_for_real
     def configure_model(self) -> None:
         if self.model is None:
             # train(): from_pretrained returns a model in eval mode, and Lightning keeps the
@@ -84,6 +83,7 @@ class SFTModule(DatasetModule):
         collate = SFTCollator(self.tokenizer, max_length=self.max_length, train_on_prompt=self.train_on_prompt,
                               pack=self.packing)
         return DataLoader(records, batch_size=self.batch_size, shuffle=shuffle, collate_fn=collate,
+                          sampler=None if shuffle else EvalShard(records),
                           generator=torch.Generator().manual_seed(self.seed))
 
     def train_dataloader(self) -> DataLoader:

@@ -32,7 +32,6 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.strategies import ParallelStrategy
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
-from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.fabric.utilities.types import ReduceOp
 from torch import Tensor
@@ -42,7 +41,6 @@ from torch.optim import Optimizer
 
 from zeropp_strategy._process import ProcessMixin
 from zeropp_strategy.checkpoint.objects import split_state, stateful
-from zeropp_strategy.comm.control import book_control_all_reduce
 from zeropp_strategy.comm.ledger import Phase
 from zeropp_strategy.config import ZeroConfig
 from zeropp_strategy.engine.core import ZeroEngine
@@ -233,10 +231,7 @@ class ZeroPPFabricStrategy(ProcessMixin, ParallelStrategy):
     # -- collectives ------------------------------------------------------------------------
 
     def all_reduce(self, tensor: Tensor, group: Any = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
-        if isinstance(tensor, Tensor):
-            book_control_all_reduce(tensor, group=group)  # the framework's own reduce, booked as ours
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+        return self._reduce(tensor, group, reduce_op)
 
     # -- checkpoints ----------------------------------------------------------------------
 

@@ -35,7 +35,6 @@ from typing import Any
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.fabric.utilities.types import ReduceOp
@@ -54,7 +53,6 @@ from torch.optim import Optimizer
 
 from zeropp_strategy._process import ProcessMixin
 from zeropp_strategy.checkpoint_hooks import CheckpointMixin
-from zeropp_strategy.comm.control import book_control_all_reduce
 from zeropp_strategy.comm.ledger import CommLedger, Phase
 from zeropp_strategy.config import ZeroConfig
 from zeropp_strategy.engine.core import ZeroEngine
@@ -338,10 +336,7 @@ class StrategyMixin(CheckpointMixin, EvaluationMixin, ProcessMixin):
     # -- collectives for Lightning (logging, barriers) --------------------------------------
 
     def reduce(self, tensor: Any, group: Any = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
-        if isinstance(tensor, Tensor):
-            book_control_all_reduce(tensor, group=group)  # the framework's own reduce, booked as ours
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+        return self._reduce(tensor, group, reduce_op)
 
     # -- teardown ------------------------------------------------------------------------
 

@@ -39,39 +39,46 @@ from torch import nn
 
 from zeropp_strategy.errors import MissingPathError, UsageError
 
-__all__ = ["Loads", "PretrainedFolder", "from_pretrained", "tied_aliases"]
+__all__ = ["Loads", "PretrainedFolder", "copy_on_materialize", "fill_from_file", "from_pretrained", "tied_aliases"]
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 # keys old checkpoints carry that current models compute instead (transformers ignores them too)
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
-_SOURCES: weakref.WeakKeyDictionary[nn.Module, PretrainedFolder] = weakref.WeakKeyDictionary()
+# every module of a model built on meta from files -> (its files, the prefix of its tensors' names there)
+_SOURCES: weakref.WeakKeyDictionary[nn.Module, tuple[PretrainedFolder, str]] = weakref.WeakKeyDictionary()
+# every module of a copy_on_materialize copy -> the module it copies
+_COPIES: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()
 
 
 class PretrainedFolder:
-    """The tensors of a ``from_pretrained`` folder of safetensors files, read by rows."""
+    """The tensors of a ``from_pretrained`` folder of safetensors files, read by rows;
+    ``files``: only these files of the folder, which then needs no ``config.json`` (a
+    scalar head's own file, say)."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, files: list[str] | None = None) -> None:
         self.path = Path(path)
         if not self.path.is_dir():
             raise MissingPathError(f"from_pretrained({str(path)!r}): no such folder",
                                    "pass a local folder written by save_pretrained (config.json and .safetensors)")
-        if not (self.path / "config.json").is_file():
-            raise MissingPathError(f"from_pretrained({str(path)!r}): the folder has no config.json",
-                                   "pass the folder save_pretrained wrote (config.json beside the weights)")
-        if (self.path / INDEX).is_file():
-            weight_map = json.loads((self.path / INDEX).read_text()).get("weight_map")
-            if not isinstance(weight_map, dict) or not weight_map:
-                raise UsageError(f"from_pretrained({str(path)!r}): {INDEX} has no weight_map",
-                                 "re-save the model with save_pretrained")
-            files = sorted(set(weight_map.values()))
-        elif (self.path / SINGLE).is_file():
-            weight_map, files = None, [SINGLE]
-        else:
-            raise MissingPathError(f"from_pretrained({str(path)!r}): no {SINGLE} or {INDEX} in the folder",
-                                   "save the model with save_pretrained(safe_serialization=True); .bin weights are "
-                                   "not read shard by shard")
+        weight_map = None
+        if files is None:
+            if not (self.path / "config.json").is_file():
+                raise MissingPathError(f"from_pretrained({str(path)!r}): the folder has no config.json",
+                                       "pass the folder save_pretrained wrote (config.json beside the weights)")
+            if (self.path / INDEX).is_file():
+                weight_map = json.loads((self.path / INDEX).read_text()).get("weight_map")
+                if not isinstance(weight_map, dict) or not weight_map:
+                    raise UsageError(f"from_pretrained({str(path)!r}): {INDEX} has no weight_map",
+                                     "re-save the model with save_pretrained")
+                files = sorted(set(weight_map.values()))
+            elif (self.path / SINGLE).is_file():
+                files = [SINGLE]
+            else:
+                raise MissingPathError(f"from_pretrained({str(path)!r}): no {SINGLE} or {INDEX} in the folder",
+                                       "save the model with save_pretrained(safe_serialization=True); .bin weights "
+                                       "are not read shard by shard")
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.file_of: dict[str, str] = {}
         self._handles: dict[str, Any] = {}
@@ -115,16 +122,24 @@ class PretrainedFolder:
                              "re-download or re-save the model: the file is truncated or damaged") from e
         return rows.to(dtype)
 
-    def check(self, model: nn.Module) -> None:
+    def check(self, model: nn.Module) -> str:
         """The folder's tensors against ``model`` (a skeleton): every persistent tensor the
-        model has must be in the files with its shape, and no file tensor may be unknown."""
+        model has must be in the files with its shape, and no file tensor may be unknown.
+        Returns the prefix of the model's names in the files: ``""``, or for a base model
+        (``AutoModel``) read from a folder that holds it under a task head (a causal LM's
+        folder), its ``base_model_prefix`` and a dot; the head's tensors are then left
+        unread, as transformers leaves them."""
         expected = dict(model.state_dict(keep_vars=True).items())
         tied = tied_aliases(model)
         need = {k: tuple(v.shape) for k, v in expected.items() if k not in tied}
-        missing = sorted(k for k in need if k not in self.shapes)
-        unexpected = sorted(k for k in self.shapes if k not in expected and not k.endswith(_IGNORED_SUFFIXES))
-        wrong = [f"{k}: {self.shapes[k]} in {self.file_of[k]}, the model has {need[k]}" for k in need
-                 if k in self.shapes and self.shapes[k] != need[k]]
+        prefix, base = "", getattr(model, "base_model_prefix", "")
+        if base and not any(k in self.shapes for k in need) and any(f"{base}.{k}" in self.shapes for k in need):
+            prefix = f"{base}."
+        shapes = {k[len(prefix):]: v for k, v in self.shapes.items() if k.startswith(prefix)}
+        missing = sorted(k for k in need if k not in shapes)
+        unexpected = sorted(k for k in shapes if k not in expected and not k.endswith(_IGNORED_SUFFIXES))
+        wrong = [f"{k}: {shapes[k]} in {self.file_of[prefix + k]}, the model has {need[k]}" for k in need
+                 if k in shapes and shapes[k] != need[k]]
         where = f"from_pretrained({str(self.path)!r})"
         if wrong:
             raise UsageError(f"{where}: {len(wrong)} tensors disagree with the model's config, first {wrong[0]}",
@@ -137,25 +152,29 @@ class PretrainedFolder:
             raise UsageError(f"{where}: the files hold {len(unexpected)} tensors the model does not have: "
                              f"{', '.join(unexpected[:5])}{' ...' if len(unexpected) > 5 else ''}",
                              "load it with the model class it was saved from (auto_class=...)")
+        return prefix
 
 
 def tied_aliases(skeleton: nn.Module) -> set[str]:
     """State-dict keys that alias another key (tied weights): the ones ``save_pretrained``
     leaves out, as transformers decides (its ``remove_tied_weights_from_state_dict``; older
-    transformers: the later name of each shared tensor)."""
+    transformers, or a module that is not a transformers model: the later name of each
+    shared tensor)."""
     sd = skeleton.state_dict()
     try:
+        from transformers import PreTrainedModel
         from transformers.modeling_utils import remove_tied_weights_from_state_dict
-
-        return set(sd) - set(remove_tied_weights_from_state_dict(dict(sd), skeleton))
     except ImportError:
-        seen: set[int] = set()
-        aliases = set()
-        for name, t in skeleton.state_dict(keep_vars=True).items():
-            if id(t) in seen:
-                aliases.add(name)
-            seen.add(id(t))
-        return aliases
+        PreTrainedModel = None  # noqa: N806
+    if PreTrainedModel is not None and isinstance(skeleton, PreTrainedModel):
+        return set(sd) - set(remove_tied_weights_from_state_dict(dict(sd), skeleton))
+    seen: set[int] = set()
+    aliases = set()
+    for name, t in skeleton.state_dict(keep_vars=True).items():
+        if id(t) in seen:
+            aliases.add(name)
+        seen.add(id(t))
+    return aliases
 
 
 def from_pretrained(path: str | Path, *, auto_class: Any = None, dtype: torch.dtype | None = None,
@@ -164,7 +183,9 @@ def from_pretrained(path: str | Path, *, auto_class: Any = None, dtype: torch.dt
     build (``configure_model``/``init_module`` at stages 2/3): its skeleton on the meta device,
     checked against the folder, filled shard by shard after sharding ([Note: streaming
     load]); elsewhere: ``auto_class.from_pretrained(path, dtype=dtype)``. ``auto_class``:
-    default ``transformers.AutoModelForCausalLM``; ``config_kwargs`` go to ``AutoConfig``."""
+    default ``transformers.AutoModelForCausalLM`` (``transformers.AutoModel`` reads the body
+    of a causal LM's folder without its head); ``dtype``: default the folder's
+    (``config.json``), as transformers does; ``config_kwargs`` go to ``AutoConfig``."""
     import transformers
 
     auto_class = auto_class or transformers.AutoModelForCausalLM
@@ -174,55 +195,116 @@ def from_pretrained(path: str | Path, *, auto_class: Any = None, dtype: torch.dt
     folder = PretrainedFolder(path)
     config = transformers.AutoConfig.from_pretrained(str(path), **config_kwargs)
     model = auto_class.from_config(config, **dtype_kw)
-    folder.check(model)
-    _SOURCES[model] = folder
+    _register(model, folder, folder.check(model))
     return model
 
 
+def fill_from_file(module: nn.Module, file: str | Path) -> bool:
+    """Give ``module``, built on the meta device, the tensors of one safetensors ``file``
+    (its state-dict names) when the strategy materializes it, each rank reading its rows
+    only; checked now as ``from_pretrained`` checks a folder. Returns False, doing nothing,
+    when ``module`` is not on the meta device (the caller loads it for real)."""
+    if not any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+        return False
+    file = Path(file)
+    folder = PretrainedFolder(file.parent, files=[file.name])
+    _register(module, folder, folder.check(module))
+    return True
+
+
+def copy_on_materialize(module: nn.Module) -> nn.Module:
+    """``copy.deepcopy(module)`` that starts equal to ``module`` after materialization too.
+    Built on the meta device, a deep copy has no values to copy, and ``materialize`` would
+    draw the copy's own (a second LoRA A, say): registered here, each of its tensors is
+    filled from the original's shard instead (the two must be sharded alike, the original
+    materialized first: registered before the copy in the model). Off the meta device it is
+    ``copy.deepcopy``."""
+    import copy
+
+    twin = copy.deepcopy(module)
+    if any(t.is_meta for t in module.parameters()):
+        for (_, original), (_, sub) in zip(module.named_modules(remove_duplicate=False),
+                                           twin.named_modules(remove_duplicate=False), strict=True):
+            _COPIES[sub] = original
+    return twin
+
+
+def _register(model: nn.Module, folder: PretrainedFolder, prefix: str) -> None:
+    for name, sub in model.named_modules(remove_duplicate=False):
+        _SOURCES.setdefault(sub, (folder, f"{prefix}{name}." if name else prefix))
+
+
 class Loads:
-    """What ``materialize`` reads from folders for the modules under ``root``: the modules of
-    every model ``from_pretrained`` built on meta, each with its folder and key prefix."""
+    """What ``materialize`` fills from elsewhere than a random draw, for the modules under
+    ``root``: those ``from_pretrained`` or ``fill_from_file`` registered (their folder and
+    key prefix), and the copies ``copy_on_materialize`` made (their original module)."""
 
     def __init__(self, root: nn.Module) -> None:
         self.by_module: dict[int, tuple[PretrainedFolder, str]] = {}
+        self.copies: dict[int, nn.Module] = {}
         self.done: set[int] = set()  # tensors filled already (a tied weight is reached twice)
-        for model in root.modules():
-            folder = _SOURCES.get(model)
-            if folder is not None:
-                for name, sub in model.named_modules(remove_duplicate=False):
-                    self.by_module.setdefault(id(sub), (folder, f"{name}." if name else ""))
-
-    def _own(self, m: nn.Module) -> list[tuple[str, torch.Tensor]]:
-        return [*m._parameters.items(), *m._buffers.items()]
+        for m in root.modules():
+            src = _SOURCES.get(m)
+            if src is not None:
+                self.by_module[id(m)] = src
+            original = _COPIES.get(m)
+            if original is not None:
+                self.copies[id(m)] = original
 
     @staticmethod
-    def _key(folder: PretrainedFolder, key: str) -> str:
-        """The file's name for a tensor: peft's LoRA layers move a base weight from
-        ``q_proj.weight`` to ``q_proj.base_layer.weight``."""
-        return key if key in folder.shapes else key.replace(".base_layer.", ".")
+    def _own(m: nn.Module) -> list[tuple[str, torch.Tensor]]:
+        return [*m._parameters.items(), *m._buffers.items()]
 
     def init_needed(self, m: nn.Module) -> bool:
-        """Whether ``m`` needs its initialization: it is not from a folder, or some tensor of
-        its own is neither in the files nor filled already (a rotary cache, say)."""
+        """Whether ``m`` needs its initialization: it is neither a copy nor from a folder, or
+        some tensor of its own is neither in the files nor filled already (a rotary cache)."""
+        if id(m) in self.copies:
+            return False
         src = self.by_module.get(id(m))
         if src is None:
             return True
         folder, prefix = src
-        return any(t is not None and id(t) not in self.done and self._key(folder, prefix + n) not in folder.shapes
+        return any(t is not None and id(t) not in self.done and prefix + n not in folder.shapes
                    for n, t in self._own(m))
 
     def fill(self, m: nn.Module) -> None:
-        """Copy ``m``'s tensors that the files hold into this rank's shards."""
+        """Copy ``m``'s tensors that the files (or its original) hold into this rank's shards."""
+        original = self.copies.get(id(m))
+        if original is not None:
+            _copy_from(m, original)
+            return
         src = self.by_module.get(id(m))
         if src is None:
             return
         folder, prefix = src
         for name, t in self._own(m):
-            key = self._key(folder, prefix + name)
+            key = prefix + name
             if t is None or id(t) in self.done or key not in folder.shapes:
                 continue
             _fill(t, folder, key)
             self.done.add(id(t))
+
+
+@torch.no_grad()
+def _copy_from(m: nn.Module, original: nn.Module) -> None:
+    from torch.distributed.tensor import DTensor
+
+    theirs = dict(Loads._own(original))
+    for name, t in Loads._own(m):
+        src = theirs.get(name)
+        if t is None or src is None:
+            continue
+        if src.is_meta:
+            raise UsageError(f"copy_on_materialize: the copy's {type(m).__name__}.{name} was reached before its "
+                             "original was materialized",
+                             "register the original module in the model before its copy")
+        mine = t.to_local() if isinstance(t, DTensor) else t
+        src = src.to_local() if isinstance(src, DTensor) else src
+        if mine.shape != src.shape:
+            raise UsageError(f"copy_on_materialize: {type(m).__name__}.{name} is sharded as {tuple(mine.shape)} in "
+                             f"the copy and {tuple(src.shape)} in the original",
+                             "shard the copy exactly as its original (same wrapping, same mesh)")
+        mine.copy_(src.dequantize() if hasattr(src, "dequantize") else src)
 
 
 @torch.no_grad()

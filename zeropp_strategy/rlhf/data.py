@@ -25,9 +25,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
+from torch.utils.data import DistributedSampler
 
-__all__ = ["PairCollator", "PromptCollator", "SFTCollator", "encode_prompt", "load_records"]
+__all__ = ["EvalShard", "PairCollator", "PromptCollator", "SFTCollator", "encode_prompt", "load_records"]
 
 IGNORE = -100
 
@@ -186,3 +188,28 @@ class PromptCollator:
             "attention_mask": torch.tensor([[0] * (length - len(r)) + [1] * len(r) for r in rows], dtype=torch.long),
             "prompts": [r["prompt"] for r in records],
         }
+
+
+class EvalShard(DistributedSampler):
+    """The evaluation records split over the ranks, each record once: rank ``r`` of ``W``
+    reads records ``r, r + W, r + 2W, ...`` in order, so the ranks' counts differ by at most
+    one. One process (or no process group yet): every record.
+
+    Lightning would put its own ``DistributedSampler`` in the recipes' evaluation loaders,
+    which repeats records to give every rank the same count (so a metric counts some twice)
+    and warns about it in ``trainer.validate()``. Being a ``DistributedSampler``, this one is
+    kept as it is; the zeropp strategy evens the batch counts that differ with padding
+    batches whose logged values it discards ([Note: uneven evaluation] in
+    engine/uneven.py), so every metric counts each record exactly once."""
+
+    def __init__(self, dataset: Sequence[Any]) -> None:
+        ranks, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_available() and dist.is_initialized() else (1, 0)
+        super().__init__(dataset, num_replicas=ranks, rank=rank, shuffle=False)
+        self.num_samples = len(range(rank, len(dataset), ranks))
+        self.total_size = len(dataset)
+
+    def __iter__(self) -> Any:
+        return iter(range(self.rank, len(self.dataset), self.num_replicas))
+
+    def __len__(self) -> int:
+        return self.num_samples

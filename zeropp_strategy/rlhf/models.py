@@ -7,18 +7,17 @@ can create the model on the meta device and materialize only each rank's shard.
 
 from __future__ import annotations
 
-import functools
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from zeropp_strategy.engine.pretrained import fill_from_file, from_pretrained
 from zeropp_strategy.rlhf.ops import last_index
 
-__all__ = ["HEAD_FILE", "STATS_FILE", "ScalarHeadModel", "apply_lora", "build_causal_lm", "build_tokenizer",
+__all__ = ["HEAD_FILE", "STATS_FILE", "ScalarHead", "ScalarHeadModel", "apply_lora", "build_causal_lm", "build_tokenizer",
            "disable_dropout",
            "positions", "tiny_llama_config"]
 
@@ -66,29 +65,29 @@ def _dtype_kwargs(dtype: torch.dtype | None) -> dict[str, torch.dtype]:
     return {"dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype": dtype}
 
 
-def built_for_real(configure_model: Callable[[Any], None]) -> Callable[[Any], None]:
-    """A recipe's ``configure_model`` builds its networks for real, with the strategy's meta
-    device (``ZeroConfig.meta_init``, stages 2/3) turned off inside: ``from_pretrained``
-    cannot fill meta tensors, and the strategy's initialization of meta tensors would
-    replace peft's (LoRA's B at zero) and the scalar heads' own. Every rank therefore builds
-    the whole networks, as before meta became the default; loading a published model shard
-    by shard is the way out (issue 32)."""
-
-    @functools.wraps(configure_model)
-    def wrapper(self: Any) -> None:
-        with torch.device("cpu"):  # innermost device context wins over the strategy's meta one
-            configure_model(self)
-
-    return wrapper
-
-
 def build_causal_lm(model: str | dict[str, Any], *, dtype: torch.dtype | None = None) -> nn.Module:
-    """``AutoModelForCausalLM`` from a folder/hub name, or from scratch from a config dict."""
+    """``AutoModelForCausalLM`` from a local folder or hub name, or from scratch from a config
+    dict. [Note: recipes on the meta device]: from a folder, inside the strategy's meta
+    build (``configure_model`` at stages 2/3) the model is a skeleton that each rank fills
+    with its own shard (``zeropp_strategy.from_pretrained``); from a config dict it is built
+    for real on every rank, so that a copy of it (the reference policy) starts with its values."""
     from transformers import AutoModelForCausalLM
 
     if isinstance(model, dict):
-        return AutoModelForCausalLM.from_config(_config(model), **_dtype_kwargs(dtype))
-    return AutoModelForCausalLM.from_pretrained(model, **_dtype_kwargs(dtype))
+        with torch.device("cpu"):  # the innermost device context wins over the strategy's meta one
+            return AutoModelForCausalLM.from_config(_config(model), **_dtype_kwargs(dtype))
+    return from_pretrained(_local(model), dtype=dtype)
+
+
+def _local(name: str) -> str:
+    """A local folder as given; a hub name as the folder of its cached snapshot
+    (``config.json`` and the safetensors, downloaded once if not cached), which the streaming
+    load reads by rows."""
+    if Path(name).is_dir() or not torch.empty(0).is_meta:
+        return name
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(name, allow_patterns=["*.json", "*.safetensors"])
 
 
 def disable_dropout(model: nn.Module) -> nn.Module:
@@ -144,6 +143,19 @@ def build_tokenizer(name: str | None) -> Any:
     return tok
 
 
+class ScalarHead(nn.Linear):
+    """The scalar head: ``hidden -> 1``, no bias, drawn from N(0, 1 / (hidden + 1)). The draw
+    is its ``reset_parameters``, so a head built on the meta device gets it when the strategy
+    materializes it (after nn.Linear's own, so a real build draws exactly as it always has)."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__(hidden, 1, bias=False)
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        nn.init.normal_(self.weight, std=1.0 / (self.in_features + 1) ** 0.5)
+
+
 class ScalarHeadModel(nn.Module):
     """A transformer backbone with a linear scalar head: the reward model and the critic.
 
@@ -158,21 +170,22 @@ class ScalarHeadModel(nn.Module):
         if isinstance(model, nn.Module):
             self.backbone = model
         elif isinstance(model, dict):
-            self.backbone = AutoModel.from_config(_config(model))
-        else:
-            self.backbone = AutoModel.from_pretrained(model)
-        hidden = self.backbone.config.hidden_size
-        self.head = nn.Linear(hidden, 1, bias=False)
-        nn.init.normal_(self.head.weight, std=1.0 / (hidden + 1) ** 0.5)
+            with torch.device("cpu"):  # built for real, as build_causal_lm builds a config dict
+                self.backbone = AutoModel.from_config(_config(model))
+        else:  # a causal LM's folder (the SFT output) or a ScalarHeadModel's: the body without a head
+            self.backbone = from_pretrained(_local(model), auto_class=AutoModel)
+        with torch.device(next(self.backbone.parameters()).device):  # on meta with a streamed backbone
+            self.head = ScalarHead(self.backbone.config.hidden_size)
         #: the score mean and std of the reward model's validation (for PPO's normalisation)
         self.reward_stats: dict[str, float] = {"mean": 0.0, "std": 1.0}
         if isinstance(model, str):
-            self._load_head(Path(model))
+            self._load_head(Path(_local(model)))
 
     def _load_head(self, folder: Path) -> None:
         """A folder written by ``export_scalar_model`` carries the trained head and the
-        statistics; a plain causal-LM folder (the SFT output) gets a fresh head."""
-        if (folder / HEAD_FILE).is_file():
+        statistics; a plain causal-LM folder (the SFT output) gets a fresh head. A head on
+        the meta device is filled from the file when the strategy materializes it."""
+        if (folder / HEAD_FILE).is_file() and not fill_from_file(self.head, folder / HEAD_FILE):
             from safetensors.torch import load_file
 
             with torch.no_grad():
