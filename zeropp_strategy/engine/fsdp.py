@@ -68,8 +68,8 @@ class ShardedRoot(nn.Module):
 
     def forward(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
         if self._inner_forward is not None:
-            return without_views(self._inner_forward(*args, **kwargs))
-        return without_views(self.module(*args, **kwargs))
+            return self._inner_forward(*args, **kwargs)
+        return self.module(*args, **kwargs)
 
     @contextmanager
     def routed_forward(self) -> Iterator[None]:
@@ -111,7 +111,10 @@ def without_views(output: Any) -> Any:
     whatever the LightningModule returns (``ScalarHeadModel`` values, a slice of logits),
     so the root copies views: the copy's node stays in the graph under in-place ops.
     Only views are copied (their size, not their base's); an output without views is
-    returned as it is (the same object)."""
+    returned as it is (the same object). ``shard_module`` applies it to the output of every
+    module it shards, the root first among them: the ``ShardedRoot`` of the Lightning
+    strategy, but also a Fabric or Accelerate user's own model, which is the root there
+    and may return a view (``logits[:, -1]``, a ``squeeze``)."""
     if not torch.is_grad_enabled():
         return output
 
@@ -123,6 +126,11 @@ def without_views(output: Any) -> Any:
     if not any(is_view(t) for t in tree_leaves(output)):
         return output
     return _apply_to_tensors(lambda t: t.clone() if is_view(t) else t, output)
+
+
+def _copy_views(module: nn.Module, args: Any, output: Any) -> Any:
+    """Forward hook: ``without_views`` of the output ([Note: root outputs are not views])."""
+    return without_views(output)
 
 
 def is_sharded(module: nn.Module) -> bool:
@@ -219,6 +227,8 @@ def shard_module(
     # FSDP2's own advice is not to reshard the root after forward.
     fully_shard(root, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy, ignored_params=ignored,
                 offload_policy=offload)
+    for group in (*blocks, root):  # prepend: before FSDP2's post-forward hook hangs its hooks on the outputs
+        group.register_forward_hook(_copy_views, prepend=True)
     reshard_when_training_resumes(root)
     install_comms(root, ledger, all_gather=all_gather, reduce_scatter=reduce_scatter, nodes=nodes,
                   wire_dtype=wire_dtype, deferral=deferral)
