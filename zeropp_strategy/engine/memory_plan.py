@@ -201,6 +201,30 @@ def _elems(params: Iterable[nn.Parameter]) -> int:
     return sum(p.numel() for p in params)
 
 
+def _stored_bytes(root: nn.Module, config: ZeroConfig, world: int, esize: int) -> Callable[[nn.Parameter], int]:
+    """Bytes of a parameter's shard on this rank: ``esize`` per element, or for a frozen
+    weight that ``quantize_frozen_weights`` stores as int8/int4 (engine/frozen.py's
+    candidates), its codes and fp32 block scales."""
+    quantized: set[int] = set()
+    if config.quantize_frozen_weights:
+        from zeropp_strategy.engine.frozen import frozen_int8_candidates
+
+        quantized = {id(p) for _, _, _, p in frozen_int8_candidates(root, shard_world_size=world,
+                                                                    min_elems=config.quantize_min_elems)[0]}
+
+    def stored(p: nn.Parameter) -> int:
+        if id(p) not in quantized:
+            return _shard_elems([p], world) * esize
+        from zeropp_strategy.engine.frozen import code_bytes_per_row
+
+        rows = math.ceil(p.shape[0] / world)
+        cols = p.numel() // max(1, p.shape[0])
+        scales = math.ceil(cols / config.weight_quant_block_elems)
+        return rows * (code_bytes_per_row(cols, config.frozen_weight_bits) + 4 * scales)
+
+    return stored
+
+
 def _shard_elems(params: Iterable[nn.Parameter], world: int) -> int:
     """Elements of this rank's padded shards (FSDP2 pads dim 0 to a multiple of ``world``)."""
     total = 0
@@ -224,11 +248,15 @@ def plan_memory(root: nn.Module, blocks: list[nn.Module], config: ZeroConfig, *,
     in_blocks = {id(p) for ps in block_params for p in ps}
     root_params = [p for p in params if id(p) not in in_blocks]
     esize = max((p.element_size() for p in params), default=4)
-    shard = _shard_elems(params, n) * esize
+    stored = _stored_bytes(root, config, n, esize)
+    shard = sum(stored(p) for p in params)
     trainable_shard = _shard_elems([p for p in params if p.requires_grad], n) * esize
     block_full = max((_elems(ps) for ps in block_params), default=0)
-    block_shard = max((_shard_elems(ps, n) for ps in block_params), default=0) * esize
+    block_shard = max((sum(stored(p) for p in ps) for ps in block_params), default=0)
     root_full = _elems(root_params)
+    # gradients exist for trainable parameters only (LoRA on a frozen base: the adapters)
+    block_trainable = max((_elems(p for p in ps if p.requires_grad) for ps in block_params), default=0)
+    root_trainable = _elems(p for p in root_params if p.requires_grad)
     in_flight = 1 + FORWARD_PREFETCH_BLOCKS  # groups whose shard pages are mapped at once
     pdev, odev = config.offload_param.device, config.offload_optimizer.device
 
@@ -268,7 +296,7 @@ def plan_memory(root: nn.Module, blocks: list[nn.Module], config: ZeroConfig, *,
             host.append((f"gathered parameters: the root group + {in_flight} blocks",
                          (root_full + in_flight * block_full) * gather_bytes))
             host.append(("unsharded gradients in backward: the root group + 2 blocks",
-                         (root_full + 2 * block_full) * (esize + gather_bytes)))
+                         (root_trainable + 2 * block_trainable) * (esize + gather_bytes)))
         return host, disk
 
     host, disk = rows(grads_on_nvme=False)
