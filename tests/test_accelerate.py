@@ -326,3 +326,47 @@ def test_the_accelerator_pickles_as_accelerates_does():
     for out in run_ranks(_pickle_worker, 2, timeout_s=180):
         assert out["state_equal"] and out["same_session"] and out["deepcopy_is_self"], out
         assert out["elsewhere"] is not None and "unpickled in another process" in out["elsewhere"], out
+
+
+def _grads_worker(rank, world):
+    """One backward of a model with vector parameters, as Accelerate's test_sync does with
+    scalars: full_gradients() against plain Accelerate's p.grad (DDP)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    from tests._models import Net, dataset
+    from zeropp_strategy.accelerate import ZeroPPAccelerator
+
+    out = {}
+    for stage in (None, 1, 2, 3):
+        accelerator = Accelerator() if stage is None else ZeroPPAccelerator(zero_config={"stage": stage})
+        torch.manual_seed(1234)
+        model = accelerator.prepare(Net())
+        x, y = dataset(n=8)[rank * 4:(rank + 1) * 4]
+        accelerator.backward(torch.nn.functional.cross_entropy(model(x), y))
+        if stage is None:
+            out["ddp"] = {n: p.grad.detach().clone() for n, p in accelerator.unwrap_model(model).named_parameters()}
+        else:
+            out[stage] = accelerator.full_gradients(model)
+            raw = {n: p.grad for n, p in accelerator.unwrap_model(model).named_parameters()}
+            out[f"raw{stage}"] = all(type(g) is torch.Tensor and torch.allclose(g, out[stage][n], rtol=1e-5, atol=1e-7)
+                                     for n, g in raw.items())
+            norm = accelerator.clip_grad_norm_(model.parameters(), 1e9)
+            out[f"norm{stage}"] = float(norm)
+        accelerator.free_memory()
+        AcceleratorState._reset_state(reset_partial_state=False)
+    out["ddp_norm"] = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in out["ddp"].values()])))
+    return out
+
+
+def test_full_gradients_are_what_plain_accelerate_leaves_in_grad():
+    """[docs/accelerate.md: Gradients] p.grad differs by stage; full_gradients() does not."""
+    for out in run_ranks(_grads_worker, 2, timeout_s=240, env={"ACCELERATE_USE_CPU": "true"}):
+        ddp = out["ddp"]
+        assert any(g.dim() >= 2 for g in ddp.values())  # vector parameters, sharded by rows
+        for stage in (1, 2, 3):
+            assert out[stage].keys() == ddp.keys(), stage
+            for k in ddp:
+                assert torch.allclose(out[stage][k], ddp[k], rtol=1e-5, atol=1e-7), (stage, k)
+            assert out[f"norm{stage}"] == pytest.approx(out["ddp_norm"], rel=1e-5), stage
+            assert not out[f"raw{stage}"], stage  # p.grad itself is not DDP's: rows (stage 1) or shards (2/3)

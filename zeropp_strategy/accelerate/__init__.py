@@ -47,7 +47,7 @@ from zeropp_strategy.engine.guards import check_nonfinite_policy, named_paramete
 from zeropp_strategy.engine.guards import unwrap as _unwrap
 from zeropp_strategy.engine.precision import PrecisionPolicy, ShardedGradScaler
 from zeropp_strategy.engine.process_group import check_offload_paths, connect, default_backend
-from zeropp_strategy.engine.state import full_model_state
+from zeropp_strategy.engine.state import full_gradients, full_model_state
 from zeropp_strategy.session import ZeroSession
 
 __all__ = ["CONFIG_ENV", "ZeroPPAccelerator", "config_from_env"]
@@ -332,6 +332,19 @@ class ZeroPPAccelerator(Accelerator):
             return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
         self.unscale_gradients()
         return self.session.clip_grad_norm(parameters=parameters, max_norm=float(max_norm), norm_type=float(norm_type))
+
+    def full_gradients(self, model: Module) -> dict[str, torch.Tensor]:
+        """Collective (every process calls it, after ``backward`` and before
+        ``zero_grad``). The gradients plain Accelerate's DDP leaves in ``p.grad``: whole
+        tensors averaged over the processes, on every process, keyed by the unwrapped
+        model's parameter names. Under zeropp ``p.grad`` is not that: at stage 1 only the
+        rows this process owns are averaged, at stages 2/3 it is this process's shard (a
+        DTensor); read gradients through here to log or check them, and clip with
+        ``clip_grad_norm_``, which computes the full norm at every stage."""
+        if self.zero_engine is None or not getattr(model, "_zeropp_prepared", False):
+            return {n: p.grad.detach().clone() for n, p in self.unwrap_model(model).named_parameters()
+                    if p.grad is not None}
+        return full_gradients(_unwrap(model), stage=self.session.stage, ledger=self.session.ledger)
 
     # -- state --------------------------------------------------------------------------
 

@@ -74,6 +74,44 @@ def full_model_state(module: nn.Module, *, keep: bool = True, ledger: Any = None
 
 
 @torch.no_grad()
+def full_gradients(module: nn.Module, *, stage: int, ledger: Any = None) -> dict[str, torch.Tensor]:
+    """Collective. Each parameter's gradient as DDP leaves it after backward: the whole
+    tensor, averaged over the ranks, on every rank, keyed by ``named_parameters()`` name
+    (parameters without a gradient are left out). What ``.grad`` holds differs by stage:
+    at stage 1 each rank's averaged rows are the ones it owns ([Note: stage-1 partitioned
+    reduce]; the other rows hold its own unreduced share), so the owned rows are summed
+    across the ranks; at stages 2/3 ``.grad`` is the averaged DTensor shard, gathered; a
+    0-dim gradient is averaged whole at every stage. Bytes per rank: one all-reduce per
+    stage-1 gradient, one all-gather per sharded one (booked as OTHER)."""
+    import torch.distributed as dist
+
+    from zeropp_strategy.comm.collectives import group_ranks
+    from zeropp_strategy.comm.ledger import CommKind
+    from zeropp_strategy.engine.stage1 import row_range
+
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    out: dict[str, torch.Tensor] = {}
+    for name, p in module.named_parameters():
+        g = p.grad
+        if g is None:
+            continue
+        if isinstance(g, DTensor):
+            out[name] = to_full_cpu(g, ledger=ledger).to(g.device)
+        elif stage == 1 and g.dim() > 0 and distributed:
+            rank, world = dist.get_rank(), dist.get_world_size()
+            lo, hi = row_range(g.shape[0], rank, world)
+            full = torch.zeros_like(g)
+            full[lo:hi] = g[lo:hi]
+            if ledger is not None:
+                ledger.record_all_reduce(CommKind.OTHER, full.numel() * full.element_size(), group_ranks(None))
+            dist.all_reduce(full)
+            out[name] = full
+        else:
+            out[name] = g.detach().clone()
+    return out
+
+
+@torch.no_grad()
 def load_full_model_state(module: nn.Module, state: Mapping[str, Any], *, strict: bool = True) -> None:
     current = module.state_dict()
     missing = [k for k in current if k not in state]
