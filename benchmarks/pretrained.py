@@ -18,6 +18,23 @@ and a 20 ms sampler, with its anonymous part: mapped file pages are page cache),
 the shard plus the largest tensor. ``--dtype fp32`` (the default): ``bf16-mixed`` as users
 train, fp32 parameters converted from the bf16 files; ``--dtype bf16``: ``bf16-true``, the
 files' own dtype. Writes benchmarks/results/pretrained.json (one entry per folder and dtype).
+
+``--finetune FOLDER`` fine-tunes it the way docs/pretrained.md's Lightning section tells
+users: ``zeropp_strategy.from_pretrained(FOLDER, dtype=torch.float32)`` in
+``configure_model`` and peft LoRA r=16 on the attention and MLP projections, under the
+Trainer on 2 ranks, ``bf16-mixed`` (``--precision``), ``ZeroPPStrategy(stage=3, quantize_frozen_weights=True,
+frozen_weight_bits=4)`` with the optimizer offloaded to host memory under
+``host_memory_budget_bytes`` (so that the memory plan is made and logged), ``--steps``
+steps of 2 rows of 32 random byte-range ids; then the live model's logits on a fixed row
+(``trainer.predict``), the adapters (``export_adapters``) and the merged model in bf16
+(``export_pretrained``) are written under ``--export``. A third process
+checks them: the merged folder loaded by transformers gives the live model's logits on a
+fixed batch within bf16 rounding, and ``PeftModel.from_pretrained`` of the base folder and
+the adapter folder holds the trained adapters bit for bit. Writes
+benchmarks/results/pretrained_finetune.json.
+
+    python benchmarks/pretrained.py --write /var/tmp/llama3-8B --size llama3-8B
+    python benchmarks/pretrained.py --finetune /var/tmp/llama3-8B --export /var/tmp/llama3-8B-out --steps 5
 """
 
 from __future__ import annotations
@@ -38,6 +55,9 @@ from llama import SIZES, llama_config, llama_params  # noqa: E402
 from rss import PeakRSS, status  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "pretrained.json"
+FINETUNE_RESULTS = ROOT / "benchmarks" / "results" / "pretrained_finetune.json"
+LORA = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0,
+        "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
 DTYPES = {"fp32": None, "bf16": None}  # filled with torch dtypes where torch is imported
 FILE_BYTES = 2 * 2**30
 
@@ -49,7 +69,7 @@ def write_folder(folder: Path, size: str) -> None:
 
     folder.mkdir(parents=True, exist_ok=True)
     cfg = llama_config(size, 2048)
-    cfg.torch_dtype = "bfloat16"
+    cfg.dtype = "bfloat16"
     cfg.save_pretrained(folder)
     with torch.device("meta"):
         shapes = {k: v.shape for k, v in LlamaForCausalLM(cfg).state_dict().items()}
@@ -140,6 +160,138 @@ def run_cell(args: argparse.Namespace) -> None:
     Path(f"{args.out}.{args.mode}.{out.get('rank', 0)}").write_text(json.dumps(out))
 
 
+def _probe_ids():
+    import torch
+
+    return torch.randint(3, 384, (1, 8), generator=torch.Generator().manual_seed(1))
+
+
+def finetune_cell(args: argparse.Namespace) -> None:
+    """One rank of ``--finetune``: docs/pretrained.md's Lightning module with LoRA (fp32
+    parameters under ``bf16-mixed``, as users train), under the Trainer."""
+    import lightning.pytorch as L
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    import zeropp_strategy
+    from zeropp_strategy.engine.state import to_full_cpu
+
+    torch.set_num_threads(1)
+    peak = PeakRSS()
+    peak.start()
+    export = Path(args.export)
+    out: dict = {"losses": [], "step_s": []}
+
+    class FineTune(L.LightningModule):
+        def __init__(self, folder: str) -> None:
+            super().__init__()
+            self.folder, self.model = folder, None
+
+        def configure_model(self) -> None:
+            if self.model is None:  # on the meta device at stage 3: nothing is read yet
+                base = zeropp_strategy.from_pretrained(self.folder, dtype=torch.float32)
+                self.model = get_peft_model(base, LoraConfig(**LORA))
+
+        def training_step(self, batch, batch_idx):
+            loss = self.model(input_ids=batch, labels=batch).loss
+            out["losses"].append(float(loss.detach()))
+            return loss
+
+        def predict_step(self, batch, batch_idx):  # the live model's logits, through the strategy's forward
+            return self.model(input_ids=batch).logits.float()
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW((p for p in self.parameters() if p.requires_grad), lr=5e-3)
+
+    class Clock(L.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            if "load_s" not in out:
+                out["load_s"] = time.perf_counter() - t0
+                out["rss_after_load"] = status()["VmRSS"]
+            self.t = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            out["step_s"].append(time.perf_counter() - self.t)
+
+    budget = int(args.budget_gib * 2**30)
+    strategy = zeropp_strategy.ZeroPPStrategy(stage=3, quantize_frozen_weights=True, frozen_weight_bits=4,
+                                              offload_optimizer="cpu", host_memory_budget_bytes=budget)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision=args.precision,
+                        max_steps=args.steps, callbacks=[Clock()], logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    tokens = torch.randint(3, 384, (2 * args.steps, 32), generator=torch.Generator().manual_seed(0))  # byte ids
+    module = FineTune(args.finetune)
+    t0 = time.perf_counter()
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(tokens, batch_size=2))
+    out["fit_s"] = time.perf_counter() - t0
+    rows = _probe_ids().repeat(2, 1)  # one row per rank: predict splits its loader without repeats
+    logits = trainer.predict(module, dataloaders=torch.utils.data.DataLoader(rows, batch_size=1))[0]
+    # the adapters only, gathered one at a time (the whole state would be the model on every rank)
+    lora = {k: to_full_cpu(p) for k, p in module.model.named_parameters() if "lora_" in k}
+    if trainer.is_global_zero:
+        torch.save({"logits": logits, "lora": lora}, export / "live.pt")
+    t1 = time.perf_counter()
+    zeropp_strategy.export_adapters(module.model, export / "adapters")
+    zeropp_strategy.export_pretrained(module.model, export / "merged", dtype=torch.bfloat16, max_shard_bytes=2**30)
+    out["export_s"] = time.perf_counter() - t1
+    memory_plan = trainer.strategy._session.engine.memory_plan if trainer.strategy._session else None
+    peak.stop.set()
+    last = peak.sample()
+    out.update(rank=trainer.global_rank, plan=memory_plan.describe() if memory_plan is not None else None,
+               peak_rss=peak.peak["VmRSS"], peak_anon=peak.peak["RssAnon"], VmHWM=last["VmHWM"], budget_bytes=budget)
+    Path(f"{args.out}.finetune.{trainer.global_rank}").write_text(json.dumps(out))
+
+
+def finetune_check(args: argparse.Namespace) -> dict:
+    """The exports, read back by transformers and peft in one process (ranks gone)."""
+    import gc
+
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    export = Path(args.export)
+    live = torch.load(export / "live.pt")
+    t0 = time.perf_counter()
+    merged = AutoModelForCausalLM.from_pretrained(export / "merged", dtype=torch.bfloat16)
+    with torch.no_grad():
+        logits = merged(input_ids=_probe_ids()).logits.float()
+    diff = (logits - live["logits"]).abs()
+    res = {"merged_load_and_forward_s": time.perf_counter() - t0, "logits_max_abs_diff": diff.max().item(),
+           "logits_mean_abs_diff": diff.mean().item(), "live_logits_max_abs": live["logits"].abs().max().item(),
+           "same_argmax_fraction": (logits.argmax(-1) == live["logits"].argmax(-1)).float().mean().item()}
+    del merged
+    gc.collect()
+    base = AutoModelForCausalLM.from_pretrained(args.finetune, dtype=torch.bfloat16)
+    peft_model = PeftModel.from_pretrained(base, export / "adapters")
+    loaded = {k: v for k, v in peft_model.state_dict().items() if "lora_" in k}
+    want = {k: v for k, v in live["lora"].items()}
+    matched = [k for k in want if k.replace(".default", "") in {q.replace(".default", "") for q in loaded}]
+    by_key = {q.replace(".default", ""): v for q, v in loaded.items()}
+    equal = all(torch.equal(by_key[k.replace(".default", "")].float(), want[k].float()) for k in matched)
+    res.update(adapters_trained=len(want), adapters_loaded_by_peft=len(loaded), adapters_matched=len(matched),
+               adapters_equal_bit_for_bit=equal)
+    return res
+
+
+def finetune(args: argparse.Namespace) -> dict:
+    export = Path(args.export)
+    export.mkdir(parents=True, exist_ok=True)
+    out = f"/tmp/zeropp-finetune-{os.getpid()}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", __file__, "--cell", "--mode",
+           "finetune", "--finetune", args.finetune, "--export", str(export), "--steps", str(args.steps), "--out", out,
+           "--budget-gib", str(args.budget_gib), "--precision", args.precision]
+    t0 = time.perf_counter()
+    rc = subprocess.run(cmd, cwd=ROOT).returncode
+    ranks = [json.loads(Path(f"{out}.finetune.{r}").read_text()) for r in range(2)
+             if Path(f"{out}.finetune.{r}").exists()]
+    res: dict = {"folder": Path(args.finetune).name, "returncode": rc, "wall_s": time.perf_counter() - t0,
+                 "ranks": ranks, "lora": LORA, "steps": args.steps, "precision": args.precision}
+    if rc == 0 and len(ranks) == 2:
+        res["check"] = finetune_check(args)
+    return res
+
+
 def measure(args: argparse.Namespace) -> dict:
     from safetensors import safe_open
 
@@ -192,6 +344,13 @@ def main() -> None:
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
                    help="the parameters' dtype: fp32 (bf16-mixed, as users train: the bf16 files are converted) or bf16 "
                         "(bf16-true: the files' own)")
+    p.add_argument("--finetune", help="fine-tune this folder on 2 ranks (int4 base, LoRA r=16) and check the exports")
+    p.add_argument("--export", help="--finetune: where the adapters and the merged model go")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--precision", default="bf16-mixed",
+                   help="--finetune: the Trainer's precision (32-true on a CPU without bf16 matmul units: there "
+                        "bf16-mixed's autocast runs emulated bf16 matmuls, about 10x slower)")
+    p.add_argument("--budget-gib", type=float, default=11.0, help="--finetune: host_memory_budget_bytes per rank")
     p.add_argument("--cell", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mode", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -200,7 +359,15 @@ def main() -> None:
         write_folder(args.write, args.size)
         print(f"{args.write}: {llama_params(args.size) / 1e9:.2f}B parameters in bf16")
     elif args.cell:
-        run_cell(args)
+        finetune_cell(args) if args.mode == "finetune" else run_cell(args)
+    elif args.finetune:
+        res = finetune(args)
+        res["date"], res["command"] = time.strftime("%Y-%m-%d"), "python benchmarks/pretrained.py " + " ".join(
+            a if not a.startswith("/") else "DIR" for a in sys.argv[1:])
+        FINETUNE_RESULTS.write_text(json.dumps(res, indent=1) + "\n")
+        print(json.dumps(res, indent=1))
+        if res["returncode"] != 0 or len(res["ranks"]) != 2:
+            sys.exit("pretrained.py --finetune: the run failed or left ranks without results (see the log above)")
     else:
         res = measure(args)
         res["date"], res["command"] = time.strftime("%Y-%m-%d"), "python benchmarks/pretrained.py " + " ".join(sys.argv[1:])
