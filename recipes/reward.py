@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from zeropp_strategy.comm.control import all_gather_object
 from zeropp_strategy.recipes.base import PairDatasetModule
 from zeropp_strategy.rlhf import ops
 from zeropp_strategy.rlhf.models import ScalarHeadModel, apply_lora, build_causal_lm
@@ -98,20 +99,16 @@ class RewardModule(PairDatasetModule):
 
     def on_validation_epoch_end(self) -> None:
         """The score statistics PPO normalizes with, over every validation record once: the
-        ranks hold different numbers of records (rlhf.data.EvalShard), so their rows are
-        padded to the longest before the gather and told apart by record index after it."""
-        mine = torch.tensor([[i, c, r] for i, (c, r) in sorted(self._val_scores.items())],
-                            dtype=torch.float64).reshape(-1, 3)
+        ranks hold different records (rlhf.data.EvalShard), gathered as objects and told
+        apart by record index (a record seen twice, as padding, counts once)."""
+        scores: dict[int, tuple[float, float]] = {}
+        for part in all_gather_object(self._val_scores):  # rank order, each rank's records by index
+            for i in sorted(part):
+                scores.setdefault(i, part[i])
         self._val_scores.clear()
-        counts = self.all_gather(torch.tensor(len(mine), device=self.device)).reshape(-1).tolist()
-        if not max(counts):
-            return
-        padded = torch.zeros(max(counts), 3, dtype=torch.float64)
-        padded[:len(mine)] = mine
-        rows = self.all_gather(padded.to(self.device)).reshape(-1, max(counts), 3).cpu()
-        scores = {int(i): (c, r) for part, n in zip(rows, counts, strict=True) for i, c, r in part[:n].tolist()}
-        values = torch.tensor([v for pair in scores.values() for v in pair])
-        self.reward_mean, self.reward_std = values.mean().item(), values.std().clamp(min=1e-6).item()
+        if scores:
+            values = torch.tensor([v for pair in scores.values() for v in pair])
+            self.reward_mean, self.reward_std = values.mean().item(), values.std().clamp(min=1e-6).item()
 
     def export_hf(self, directory: str) -> None:
         """Backbone folder + ``value_head.safetensors`` + ``reward_stats.json`` (what
