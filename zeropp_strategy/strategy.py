@@ -59,7 +59,7 @@ from zeropp_strategy.engine.core import ZeroEngine
 from zeropp_strategy.engine.fsdp import ShardedRoot, fsdp_modules
 from zeropp_strategy.engine.guards import check_nonfinite_policy
 from zeropp_strategy.engine.memory import MemoryStats, memory_stats
-from zeropp_strategy.engine.meta_init import build_context
+from zeropp_strategy.engine.meta_init import build_context, has_meta
 from zeropp_strategy.evaluation import EvaluationMixin
 from zeropp_strategy.precision import PrecisionMixin, ZeroPPPrecision
 from zeropp_strategy.presets import PRESETS as PRESETS  # re-export: zeropp_strategy.strategy.PRESETS
@@ -351,7 +351,7 @@ class StrategyMixin(CheckpointMixin, EvaluationMixin, ProcessMixin):
             self._session.quiesce()  # no comm thread left in a collective: [Note: orderly exit]
         if isinstance(self.model, DistributedDataParallel):
             self.model = self.lightning_module
-        if (module := self.lightning_module) is not None and any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+        if (module := self.lightning_module) is not None and has_meta(module):
             # set-up stopped before materializing (a refused memory plan): moving meta tensors would hide it
             self._lightning_module = None
         assert self.cluster_environment is not None

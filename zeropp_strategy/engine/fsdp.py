@@ -39,7 +39,7 @@ from zeropp_strategy.comm.hierarchical import NodeGroups
 from zeropp_strategy.comm.ledger import CommLedger
 from zeropp_strategy.config import ZeroConfig
 from zeropp_strategy.engine.frozen import int8_weights, quantize_frozen
-from zeropp_strategy.engine.meta_init import replayed_rng
+from zeropp_strategy.engine.meta_init import has_meta, replayed_rng
 from zeropp_strategy.engine.peft_init import lora_inits
 from zeropp_strategy.engine.pretrained import Loads
 from zeropp_strategy.engine.wrap import apply_activation_checkpointing, select_blocks
@@ -336,10 +336,6 @@ def install_comms(
                   for p in sub.parameters()}
         rs.params = [p for p in m.parameters() if id(p) not in nested and isinstance(p, DTensor)]
         m.set_custom_reduce_scatter(rs)
-
-
-def has_meta(module: nn.Module) -> bool:
-    return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
 
 
 @torch.no_grad()

@@ -40,7 +40,7 @@ from torch.nn.modules.module import (
 from zeropp_strategy.config import ZeroConfig
 from zeropp_strategy.errors import UsageError
 
-__all__ = ["build_context", "build_rng_state", "meta_build", "replayed_rng"]
+__all__ = ["build_context", "build_rng_state", "has_meta", "meta_build", "replayed_rng"]
 
 # module -> the CPU generator's state when the meta build that created it ended
 _BUILD_STATE: weakref.WeakKeyDictionary[nn.Module, torch.Tensor] = weakref.WeakKeyDictionary()
@@ -76,6 +76,11 @@ def meta_build() -> Iterator[None]:
     state = torch.get_rng_state()  # only after a build that finished: an exception skips this
     for module in built:
         _BUILD_STATE.setdefault(module, state)
+
+
+def has_meta(module: nn.Module) -> bool:
+    """Whether any parameter or buffer of ``module`` (or its children) is on the meta device."""
+    return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
 
 
 def build_rng_state(root: nn.Module) -> torch.Tensor | None:

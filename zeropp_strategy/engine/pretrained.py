@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from zeropp_strategy.engine.meta_init import has_meta
 from zeropp_strategy.errors import MissingPathError, UsageError
 
 __all__ = ["Loads", "PretrainedFolder", "copy_on_materialize", "fill_from_file", "from_pretrained", "tied_aliases"]
@@ -204,7 +205,7 @@ def fill_from_file(module: nn.Module, file: str | Path) -> bool:
     (its state-dict names) when the strategy materializes it, each rank reading its rows
     only; checked now as ``from_pretrained`` checks a folder. Returns False, doing nothing,
     when ``module`` is not on the meta device (the caller loads it for real)."""
-    if not any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+    if not has_meta(module):
         return False
     file = Path(file)
     folder = PretrainedFolder(file.parent, files=[file.name])
@@ -222,7 +223,7 @@ def copy_on_materialize(module: nn.Module) -> nn.Module:
     import copy
 
     twin = copy.deepcopy(module)
-    if any(t.is_meta for t in module.parameters()):
+    if has_meta(module):
         for (_, original), (_, sub) in zip(module.named_modules(remove_duplicate=False),
                                            twin.named_modules(remove_duplicate=False), strict=True):
             _COPIES[sub] = original
