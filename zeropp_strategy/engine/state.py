@@ -74,7 +74,7 @@ def full_model_state(module: nn.Module, *, keep: bool = True, ledger: Any = None
 
 
 @torch.no_grad()
-def full_gradients(module: nn.Module, *, stage: int, ledger: Any = None) -> dict[str, torch.Tensor]:
+def full_gradients(module: nn.Module, *, stage: int, ledger: Any) -> dict[str, torch.Tensor]:
     """Collective. Each parameter's gradient as DDP leaves it after backward: the whole
     tensor, averaged over the ranks, on every rank, keyed by ``named_parameters()`` name
     (parameters without a gradient are left out). What ``.grad`` holds differs by stage:
@@ -85,7 +85,7 @@ def full_gradients(module: nn.Module, *, stage: int, ledger: Any = None) -> dict
     stage-1 gradient, one all-gather per sharded one (booked as OTHER)."""
     import torch.distributed as dist
 
-    from zeropp_strategy.comm.collectives import group_ranks
+    from zeropp_strategy.comm.collectives import all_reduce
     from zeropp_strategy.comm.ledger import CommKind
     from zeropp_strategy.engine.stage1 import row_range
 
@@ -102,9 +102,7 @@ def full_gradients(module: nn.Module, *, stage: int, ledger: Any = None) -> dict
             lo, hi = row_range(g.shape[0], rank, world)
             full = torch.zeros_like(g)
             full[lo:hi] = g[lo:hi]
-            if ledger is not None:
-                ledger.record_all_reduce(CommKind.OTHER, full.numel() * full.element_size(), group_ranks(None))
-            dist.all_reduce(full)
+            all_reduce(full, ledger=ledger, kind=CommKind.OTHER)
             out[name] = full
         else:
             out[name] = g.detach().clone()
