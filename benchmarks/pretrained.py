@@ -264,11 +264,12 @@ def finetune_check(args: argparse.Namespace) -> dict:
     gc.collect()
     base = AutoModelForCausalLM.from_pretrained(args.finetune, dtype=torch.bfloat16)
     peft_model = PeftModel.from_pretrained(base, export / "adapters")
-    loaded = {k: v for k, v in peft_model.state_dict().items() if "lora_" in k}
-    want = {k: v for k, v in live["lora"].items()}
-    matched = [k for k in want if k.replace(".default", "") in {q.replace(".default", "") for q in loaded}]
-    by_key = {q.replace(".default", ""): v for q, v in loaded.items()}
-    equal = all(torch.equal(by_key[k.replace(".default", "")].float(), want[k].float()) for k in matched)
+    loaded = {k.replace(".default", ""): v for k, v in peft_model.state_dict().items() if "lora_" in k}
+    want = live["lora"]
+    matched = [k for k in want if k.replace(".default", "") in loaded]
+    # an empty or partial match is no proof: every trained adapter must be there and equal
+    equal = len(matched) == len(want) > 0 and all(
+        torch.equal(loaded[k.replace(".default", "")].float(), want[k].float()) for k in matched)
     res.update(adapters_trained=len(want), adapters_loaded_by_peft=len(loaded), adapters_matched=len(matched),
                adapters_equal_bit_for_bit=equal)
     return res

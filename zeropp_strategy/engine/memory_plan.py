@@ -205,18 +205,16 @@ def _stored_bytes(root: nn.Module, config: ZeroConfig, world: int, esize: int) -
     """Bytes of a parameter's shard on this rank: ``esize`` per element, or for a frozen
     weight that ``quantize_frozen_weights`` stores as int8/int4 (engine/frozen.py's
     candidates), its codes and fp32 block scales."""
+    from zeropp_strategy.engine.frozen import code_bytes_per_row, frozen_int8_candidates
+
     quantized: set[int] = set()
     if config.quantize_frozen_weights:
-        from zeropp_strategy.engine.frozen import frozen_int8_candidates
-
         quantized = {id(p) for _, _, _, p in frozen_int8_candidates(root, shard_world_size=world,
                                                                     min_elems=config.quantize_min_elems)[0]}
 
     def stored(p: nn.Parameter) -> int:
         if id(p) not in quantized:
             return _shard_elems([p], world) * esize
-        from zeropp_strategy.engine.frozen import code_bytes_per_row
-
         rows = math.ceil(p.shape[0] / world)
         cols = p.numel() // max(1, p.shape[0])
         scales = math.ceil(cols / config.weight_quant_block_elems)

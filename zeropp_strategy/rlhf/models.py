@@ -173,13 +173,14 @@ class ScalarHeadModel(nn.Module):
             with torch.device("cpu"):  # built for real, as build_causal_lm builds a config dict
                 self.backbone = AutoModel.from_config(_config(model))
         else:  # a causal LM's folder (the SFT output) or a ScalarHeadModel's: the body without a head
-            self.backbone = from_pretrained(_local(model), auto_class=AutoModel)
+            model = _local(model)
+            self.backbone = from_pretrained(model, auto_class=AutoModel)
         with torch.device(next(self.backbone.parameters()).device):  # on meta with a streamed backbone
             self.head = ScalarHead(self.backbone.config.hidden_size)
         #: the score mean and std of the reward model's validation (for PPO's normalisation)
         self.reward_stats: dict[str, float] = {"mean": 0.0, "std": 1.0}
         if isinstance(model, str):
-            self._load_head(Path(_local(model)))
+            self._load_head(Path(model))
 
     def _load_head(self, folder: Path) -> None:
         """A folder written by ``export_scalar_model`` carries the trained head and the
