@@ -201,12 +201,13 @@ def tile_sweep(args: argparse.Namespace) -> dict:
         for tile in (1024, 2048, 4096, 8192, 16384):
             for warps in (4, 8, 16):
                 tq._TILE_ELEMS, tq._NUM_WARPS = tile, warps
-                for block_elems in [int(b) for b in args.blocks.split(",")]:
-                    for op in ("quantize", "dequantize", "dequant_reduce_quantize"):
-                        nbytes, fns, _ = _op_setup(op, numel, block_elems, 8, getattr(torch, args.dtype), device)
+                for block_elems, bits in zip([int(b) for b in args.blocks.split(",")],
+                                             [int(b) for b in args.bits.split(",")]):
+                    for op in args.ops.split(",") if args.ops else OPS:
+                        nbytes, fns, _ = _op_setup(op, numel, block_elems, bits, getattr(torch, args.dtype), device)
                         ms = _time_ms(fns["triton"], device)
-                        rows.append({"tile": tile, "warps": warps, "block_elems": block_elems, "op": op,
-                                     "GBps": nbytes / ms / 1e6})  # fmt: skip
+                        rows.append({"tile": tile, "warps": warps, "block_elems": block_elems, "bits": bits,
+                                     "op": op, "GBps": nbytes / ms / 1e6})  # fmt: skip
                         print(rows[-1], flush=True)
     finally:
         tq._TILE_ELEMS, tq._NUM_WARPS = saved

@@ -250,6 +250,7 @@ def _forward_backward(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, 
 
 
 def _real_fsdp2_worker(rank: int, world_size: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from zeropp_strategy.fsdp_private import (
@@ -270,9 +271,12 @@ def _real_fsdp2_worker(rank: int, world_size: int) -> dict:
     reference = copy.deepcopy(model)
     x = torch.randn(5, 4)  # the same on every rank, so FSDP2's averaged grads equal one process's
     first, last = model[0], model[2]
+    # a CPU mesh named explicitly: on a machine with a GPU, fully_shard's default mesh is a
+    # CUDA one and rank 1 asks for a device the machine may not have
+    mesh = init_device_mesh("cpu", (world_size,))
     for block in (first, last):
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
 
     # Groups and parameters.
     assert param_groups(model) == []  # the root holds no parameters of its own

@@ -293,6 +293,25 @@ def test_triton_cuda_matches_reference(name, monkeypatch):
     _triton_cases()[name]()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("bits", [8, 4])
+def test_reference_cuda_matches_cpu(bits):
+    """The torch reference on CUDA writes the CPU's bytes: the same data-dependent divisions
+    (torch's CUDA division by a Python scalar is a reciprocal multiply, which moved scales by
+    an ulp on an H100 until qmax became a tensor). Large enough for such ulps to show."""
+    x = _randn(f"ref-cuda-{bits}", 1 << 22, torch.bfloat16)
+    b = 256 if bits == 8 else 64
+    want = quantize_ref(x, b, bits)
+    got = tuple(t.cpu() for t in quantize_ref(x.cuda(), b, bits))
+    _assert_equal("quantize_ref on cuda", got, want)
+    parts = [quantize_ref(x * (s + 1), b, bits) for s in range(3)]
+    codes, scales = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    kw = dict(sources=3, numel=x.numel(), block_elems=b, bits=bits)
+    want = dequant_reduce_quantize_ref(codes, scales, **kw)
+    got = dequant_reduce_quantize_ref(codes.cuda(), scales.cuda(), **kw)
+    _assert_equal("dequant_reduce_quantize_ref on cuda", tuple(t.cpu() for t in got), want)
+
+
 def _compile_ptx(kernel_name: str, signature: dict[str, str], constexprs: dict) -> str:
     import re
 

@@ -251,3 +251,58 @@ def test_framework_reduces_are_booked_as_control():
     for out in run_ranks(_reduce_worker, 2, init_process_group=True, timeout_s=120):
         assert out == {"logged": [1.0, 4.0], "summed": [2.0], "calls": 4, "gathered": [[0, 10], [1, 11]],
                        "fabric_gathered": [[[0.0]], [[1.0]]], "warnings": []}, out
+
+
+def _evaluate_as_nccl_runs(rank: int, world: int) -> dict:
+    """fit (validating after every step), validate and predict, with Lightning's loops taking the branch a NCCL run
+    takes (torch.inference_mode unless the strategy says otherwise; under gloo they always
+    use no_grad, which is why only a GPU showed the failure)."""
+    import lightning.pytorch as L
+    import lightning.pytorch.loops.utilities as loop_utils
+
+    from tests._models import ParityModule, trainer_kwargs
+    from zeropp_strategy.engine.state import full_model_state
+
+    loop_utils._distributed_is_initialized = lambda: False
+    modes: set[bool] = set()
+
+    class Recording(ParityModule):
+        def validation_step(self, batch, batch_idx):
+            modes.add(torch.is_inference_mode_enabled())
+            return super().validation_step(batch, batch_idx)
+
+        def predict_step(self, batch, batch_idx):
+            modes.add(torch.is_inference_mode_enabled())
+            return super().predict_step(batch, batch_idx)
+
+    module = Recording()
+    # validation after every step: training goes on after each evaluation, so an inference
+    # tensor left in FSDP2's buffers would fail the next step
+    trainer = L.Trainer(strategy="zeropp_stage_3", **trainer_kwargs(
+        world, max_steps=3, limit_val_batches=2, val_check_interval=1))
+    trainer.fit(module)
+    val = trainer.validate(module, verbose=False)[0]["val_loss"]
+    state = full_model_state(module)
+    preds = trainer.predict(module)
+    return {"val": float(val), "state": state, "preds": torch.cat(preds), "inference_mode": sorted(modes)}
+
+
+def test_evaluation_of_a_sharded_model_runs_where_lightning_picks_inference_mode():
+    """Seen on an H100 (NCCL): ``trainer.validate`` at stage 3 failed with "Inference tensors
+    do not track version counter". The loops must evaluate under no_grad, and give what the
+    consolidated model gives. (On the CPU an inference-mode forward of FSDP2 happens to
+    work, so the test checks the mode the steps ran under, besides the results.)"""
+    from tests._dist import run_ranks
+    from tests._models import Net, dataset
+
+    (got,) = run_ranks(_evaluate_as_nccl_runs, 1, timeout_s=180)
+    net = Net()
+    net.load_state_dict({k.removeprefix("net."): v for k, v in got["state"].items()})
+    x, y = dataset(n=24, seed=1).tensors
+    with torch.no_grad():
+        losses = [nn.functional.cross_entropy(net(x[i:i + 4]), y[i:i + 4]) for i in range(0, 8, 4)]  # 2 batches
+        px = dataset(n=16, seed=3).tensors[0]
+        preds = net(px).argmax(-1)
+    assert abs(got["val"] - float(torch.stack(losses).mean())) < 1e-5
+    assert torch.equal(got["preds"], preds)
+    assert got["inference_mode"] == [False], "evaluation of a sharded model ran under torch.inference_mode"

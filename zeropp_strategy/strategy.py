@@ -261,6 +261,7 @@ class StrategyMixin(CheckpointMixin, EvaluationMixin, ProcessMixin):
             if self._fsdp_root is None or self._fsdp_root.module is not self.model:
                 self._fsdp_root = self.session.prepare(self.model, own_root=True)  # type: ignore[assignment]
             self.session.module_to_device(self._fsdp_root)
+            _evaluate_under_no_grad(trainer)
         if fitting:
             # Re-entering setup (fit after fit) must build optimizers over the current params.
             self._reset_optimizers_and_schedulers()
@@ -357,6 +358,18 @@ class StrategyMixin(CheckpointMixin, EvaluationMixin, ProcessMixin):
         assert self.cluster_environment is not None
         self.cluster_environment.teardown()
         super().teardown()
+
+
+def _evaluate_under_no_grad(trainer: Any) -> None:
+    """Validation, test and predict loops of a sharded model run under ``torch.no_grad``, not
+    ``torch.inference_mode``: FSDP2 writes its gathered parameters into buffers it reuses in
+    training, and an inference-mode forward makes them inference tensors ("Inference tensors
+    do not track version counter", seen on an H100 with NCCL in the main job's validate).
+    Lightning decides this for its own FSDPStrategy (and for gloo, which is why CPU runs never
+    met it); the same rule for ours."""
+    loops = (trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop, trainer.test_loop, trainer.predict_loop)
+    for loop in loops:
+        loop.inference_mode = False
 
 
 class ZeroPPStrategy(StrategyMixin, ParallelStrategy):

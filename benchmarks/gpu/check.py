@@ -192,7 +192,8 @@ def write_png(results: dict, path: Path) -> None:
         ax1.axhline(0.8 * copy_gbps, color="gray", ls=":", label="0.8 x copy")
     ax1.set(xscale="log", xlabel="elements", ylabel="GB/s (counted bytes)",
             title=f"kernels ({rows[0]['dtype'] if rows else '-'}, {kern.get('backend', '-')})")
-    ax1.legend(fontsize=7)
+    if ax1.get_legend_handles_labels()[0]:  # a run without the kernels part has nothing to label
+        ax1.legend(fontsize=7)
     systems = results["parts"].get("one_gpu", {}).get("systems", {})
     names = [n for n, s in systems.items() if s.get("tokens_per_s")]
     ax2.bar(names, [systems[n]["tokens_per_s"] for n in names])

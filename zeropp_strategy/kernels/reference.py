@@ -26,8 +26,9 @@ collective, so they are written for speed without changing a single output bit:
 - Non-fp32 inputs are converted into the fp32 scratch first; the absmax is then
   ``max(amax, -amin)`` on fp32 (the same value as ``abs().amax()``, without an abs pass;
   bf16 reductions are several times slower than fp32 ones in torch 2.13 on CPU).
-- ``x / scale`` stays a correctly rounded division (a reciprocal multiply would move
-  ties), rounded in place. The clamp to [-qmax, qmax] and the zeroing of blocks whose
+- ``absmax / qmax`` and ``x / scale`` stay correctly rounded divisions (a reciprocal
+  multiply would move ties; on CUDA torch divides by a Python scalar that way, so qmax is
+  a device tensor), rounded in place. The clamp to [-qmax, qmax] and the zeroing of blocks whose
   scale is not > 0 can only change anything when a block's scale is subnormal or NaN
   (otherwise |x / scale| <= qmax (1 + 2^-23) rounds into range, and an all-zero block
   divides to zeros), so they run only for chunks that hold such a block.
@@ -84,6 +85,10 @@ class _Scratch:
     def __init__(self, rows: int, block_elems: int, bits: int, device: torch.device) -> None:
         n = rows * block_elems
         self.y = torch.empty(n, dtype=torch.float32, device=device)
+        # qmax as a tensor on the device: torch's CUDA division by a Python scalar multiplies
+        # by its rounded reciprocal, which moves a scale by an ulp now and then (seen on an
+        # H100: the reference on CUDA disagreed with itself on the CPU and with Triton)
+        self.qmax = torch.full((), float(QMAX[bits]), dtype=torch.float32, device=device)
         if bits == 4:
             self.i8 = torch.empty(n, dtype=torch.int8, device=device)
             self.w16 = torch.empty(n // 2, dtype=torch.int16, device=device)
@@ -110,7 +115,7 @@ def _quantize_rows(src: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     if src.dtype != torch.float32:
         src = y.copy_(src)
     torch.maximum(src.amax(dim=1), src.amin(dim=1).neg_(), out=scales)
-    scales.abs_().div_(qmax)  # abs: all -0.0 gives +0.0, as abs().amax() does
+    scales.abs_().div_(sc.qmax)  # abs: all -0.0 gives +0.0, as abs().amax() does
     safe = torch.where(scales == 0, 1.0, scales)  # NaN stays NaN: amin() below sees it
     torch.div(src, safe[:, None], out=y)
     y.round_()
