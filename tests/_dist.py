@@ -2,8 +2,8 @@
 
     results = run_ranks(worker, world_size=4, args=(tmp_path,), timeout_s=120)
 
-``worker(rank, world_size, *args)`` runs in a fresh process (start method "spawn")
-with the environment a launcher would give it (MASTER_ADDR/PORT, RANK, WORLD_SIZE,
+``worker(rank, world_size, *args)`` runs in a fresh process (start method "forkserver",
+see below) with the environment a launcher would give it (MASTER_ADDR/PORT, RANK, WORLD_SIZE,
 LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK), so Lightning's ``LightningEnvironment`` sees
 externally created processes and ``Trainer(devices=world_size)`` joins them. With
 ``init_process_group=True`` the harness also creates the default gloo group before
@@ -14,6 +14,16 @@ on any rank fails the test with that rank's traceback; a rank that has not finis
 after ``timeout_s`` is killed with the others and the test fails instead of hanging.
 Ranks share one machine, so each is pinned to one intra-op thread: with 4 ranks on
 2 cores, more threads only thrash.
+
+Start method. A "spawn" rank imports torch, Lightning and this package afresh: 11-12 s
+for 2 ranks on the 2-core CI machine before the worker's first line, on every call
+(`python benchmarks/spawn_cost.py`). The ranks are therefore forked from a forkserver
+that has imported them once (``_PRELOAD``); a child gets the parent's sys.path and
+working directory from multiprocessing, and the parent's environment as it is at the
+call (the forkserver's own is the one it started with), applied before the worker runs.
+Nothing in the preloaded modules reads the environment at import. A forked child leaves
+through ``os._exit``, which skips atexit handlers, so ``_entry`` runs them itself, as a
+user's process would at its exit. ``ZEROPP_TEST_START=spawn`` goes back to spawn.
 """
 
 from __future__ import annotations
@@ -57,6 +67,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+_PRELOAD = ["torch", "torch.distributed", "lightning.pytorch", "zeropp_strategy", "tests._models"]
+
+
+def _context() -> mp.context.BaseContext:
+    method = os.environ.get("ZEROPP_TEST_START", "forkserver")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(_PRELOAD)  # takes effect when the server starts: the first call
+    return ctx
+
+
 def _entry(
     fn: Callable[..., Any],
     rank: int,
@@ -67,6 +88,7 @@ def _entry(
     init_process_group: bool,
     out: mp.Queue,
 ) -> None:
+    os.environ.clear()  # the caller's environment at the call, not the forkserver's
     os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -99,10 +121,15 @@ def _entry(
     except BaseException:  # noqa: BLE001 - the traceback is the test's failure message
         out.put((rank, False, traceback.format_exc()))
     finally:
+        import atexit
+
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+        # A forked rank leaves through os._exit, which skips the atexit handlers that a
+        # user's process runs at its exit (the swap files' cleanup, say): run them here.
+        atexit._run_exitfuncs()
 
 
 def run_ranks(
@@ -114,13 +141,13 @@ def run_ranks(
     env: dict[str, str] | None = None,
     init_process_group: bool = False,
 ) -> list[Any]:
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     out: mp.Queue = ctx.Queue()
     port = free_port()
     procs = [
         ctx.Process(
             target=_entry,
-            args=(fn, rank, world_size, port, args, dict(env or {}), init_process_group, out),
+            args=(fn, rank, world_size, port, args, {**os.environ, **(env or {})}, init_process_group, out),
             daemon=False,
         )
         for rank in range(world_size)
