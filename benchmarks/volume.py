@@ -274,10 +274,10 @@ benchmarks/results/overlap_timeline_unlimited.json`, same day and code):
 How to read it:
 - Forward: with asynchronous unshards and two blocks of forward prefetch
   ([Note: prefetch] in engine/fsdp.py) each block's gather is issued while earlier blocks
-  compute, yet the training thread still waits on each, 0.03-0.10 s per block in the step
-  above. The link does not explain that: a block's int8 gather puts about 0.4 MB on each
+  compute, yet the training thread still waits on each, {fwd_wait} s per block in
+  `zeropp`'s step above. The link does not explain that: a block's int8 gather puts about 0.4 MB on each
   direction of the link, 17 ms at 200 Mbit/s, and the same step with no link limit at all
-  (second figure) waits as long, 0.004-0.09 s per block. The waits are the peers: each
+  (second figure) waits as long, {fwd_wait_unlimited} s per block. The waits are the peers: each
   hop is a rendezvous (the first with the same local rank on the other node, the second,
   run in `wait()`, with the other rank of this node), and on 2 shared cores a peer often
   reaches the block late (last point below).
@@ -295,12 +295,49 @@ How to read it:
 - On 2 cores, *waiting* also contains waiting for the slowest peer: four ranks
   time-share two cores, so a rank that reaches a collective first waits for the others'
   compute. `zeropp`'s backward gathers cross no link at all, yet the training thread waits
-  0.03-0.07 s on several of them: that is the peer finishing its own block. The comm
-  thread's jobs show the same skew: timed on rank 0 over 8 steps, the first reduce-scatter
-  of a backward took 0.02-0.22 s and the others 0.004-0.1 s, and the end-of-backward wait
-  was 0.02 s in one traced step and 0.13 s in another. A GPU cluster does not have that
-  term.
+  {bwd_wait} s on them: that is the peer finishing its own block. The end-of-backward
+  wait for the deferred reduce-scatters was {end_wait} s in the step above and
+  {end_wait_unlimited} s in the unlimited one. A GPU cluster does not have that term.
 """
+
+
+def _waits(trace: dict) -> dict[str, list[float]]:
+    """A traced step's waits, in seconds: per block in forward and in backward (the
+    'waiting' events before and after the first backward compute), and the
+    end-of-backward reduce-scatter wait."""
+    events = trace["events"]
+    first_b = min(e[2] for e in events if e[0] == "compute" and e[1].startswith("B"))
+    waits = [(e[2], e[3] - e[2]) for e in events if e[0] == "waiting"]
+    end = [e[3] - e[2] for e in events if e[0] == "reduce-scatter" and e[1] == "end of backward"]
+    return {"forward": [w for t, w in waits if t < first_b], "backward": [w for t, w in waits if t >= first_b],
+            "end": end}
+
+
+def _span(values: list[float], what: str) -> str:
+    if not values:
+        raise ValueError(f"volume.py: the timeline JSON has no {what}. Fix: re-run benchmarks/overlap_timeline.py")
+    lo, hi = min(values), max(values)
+    return f"{lo:.2g}" if f"{lo:.2g}" == f"{hi:.2g}" else f"{lo:.2g}-{hi:.2g}"
+
+
+def timeline_text(results_dir: Path) -> str:
+    """TIMELINE with its figures read from overlap_timeline*.json (the zeropp trace of each)."""
+    def zeropp(name: str) -> dict:
+        path = results_dir / name
+        if not path.exists():
+            raise FileNotFoundError(f"volume.py: {path} is missing. Fix: run benchmarks/overlap_timeline.py "
+                                    "(the commands are in the page's timeline section)")
+        traces = [t for t in json.loads(path.read_text())["traces"] if t["system"] == "zeropp"]
+        if not traces:
+            raise ValueError(f"volume.py: {path} has no zeropp trace. Fix: re-run with --systems including zeropp")
+        return _waits(traces[0])
+
+    limited, unlimited = zeropp("overlap_timeline.json"), zeropp("overlap_timeline_unlimited.json")
+    return TIMELINE.format(fwd_wait=_span(limited["forward"], "forward waits"),
+                           fwd_wait_unlimited=_span(unlimited["forward"], "forward waits"),
+                           bwd_wait=_span(limited["backward"], "backward waits"),
+                           end_wait=_span(limited["end"], "end-of-backward wait"),
+                           end_wait_unlimited=_span(unlimited["end"], "end-of-backward wait"))
 
 
 def _cell(results: dict, key: str) -> dict | None:
@@ -320,7 +357,7 @@ def render(results: dict, docs: Path, command: str, params: int, earlier: Sequen
         if data:
             lines += _suite_lines(data, command, params)
     lines += render_parts(docs_results_dir(docs))
-    lines += ["", TIMELINE]
+    lines += ["", timeline_text(docs_results_dir(docs))]
     text = "\n".join(lines) + "\n"
     docs.parent.mkdir(parents=True, exist_ok=True)
     docs.write_text(text)
