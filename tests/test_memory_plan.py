@@ -191,6 +191,13 @@ def test_activation_meter_counts_what_backward_keeps():
     net(x).sum().backward()  # measured once: the hooks are gone
     assert measured == [5 * 8 * 4 + 5 * 16 * 4] and meter.nbytes == measured[0]
 
+    frozen = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    frozen[2].requires_grad_(False)  # keeps its weight for the ReLU output's gradient: a parameter, not counted
+    got = []
+    memory_plan.ActivationMeter(frozen, got.append)
+    frozen(x).sum().backward()
+    assert got == [5 * 8 * 4 + 5 * 16 * 4]
+
     class Checkpointed(torch.nn.Module):  # a block under activation checkpointing inside the root
         def __init__(self) -> None:
             super().__init__()

@@ -317,9 +317,11 @@ class ActivationMeter:
     """Measures the activations of ``root``'s first forward with gradients enabled.
 
     While that forward runs, a ``saved_tensors_hooks`` pack hook sees every tensor autograd
-    keeps for backward and counts each host storage once. Parameters (leaves requiring
-    grad, and views of them such as a linear layer's transposed weight) are left out: the
-    plan has them already. Regions under activation checkpointing install their own hooks
+    keeps for backward and counts each host storage once. Parameters, frozen ones included
+    (a frozen linear layer keeps its weight for the input's gradient), and views of them such
+    as a linear layer's transposed weight, are left out: the plan has them already, and at
+    stage 3 the gathered copy a forward saves is resharded until backward gathers it again.
+    Leaves requiring grad are left out too. Regions under activation checkpointing install their own hooks
     and are not kept, so they are not counted either. A forward without gradients (a
     validation sanity check) is skipped. The hooks go away after the measured forward;
     ``on_measured(nbytes)`` then runs once."""
@@ -334,7 +336,7 @@ class ActivationMeter:
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         base = t._base if t._base is not None else t
-        if t.device.type == "cpu" and not (base.is_leaf and base.requires_grad):
+        if t.device.type == "cpu" and not (isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad)):
             storage = t.untyped_storage()
             key = (storage.data_ptr(), storage.nbytes())
             if key not in self._seen:
