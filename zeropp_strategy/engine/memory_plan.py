@@ -321,8 +321,8 @@ class ActivationMeter:
     (a frozen linear layer keeps its weight for the input's gradient), and views of them such
     as a linear layer's transposed weight, are left out: the plan has them already, and at
     stage 3 the gathered copy a forward saves is resharded until backward gathers it again.
-    Leaves requiring grad are left out too. Regions under activation checkpointing install their own hooks
-    and are not kept, so they are not counted either. A forward without gradients (a
+    Leaves requiring grad are left out too. Regions under activation checkpointing install
+    their own hooks and are not kept, so they are not counted either. A forward without gradients (a
     validation sanity check) is skipped. The hooks go away after the measured forward;
     ``on_measured(nbytes)`` then runs once."""
 
