@@ -196,13 +196,17 @@ def tile_sweep(args: argparse.Namespace) -> dict:
     from zeropp_strategy.kernels import triton_quant as tq
 
     device, numel, rows = torch.device("cuda"), _parse_size((args.sizes or THROUGHPUT_SIZES).split(",")[-1]), []
+    blocks, bits_list = [int(b) for b in args.blocks.split(",")], [int(b) for b in args.bits.split(",")]
+    if len(blocks) != len(bits_list):
+        sys.exit(f"--tile-sweep pairs --blocks with --bits one to one; got {len(blocks)} block sizes and "
+                 f"{len(bits_list)} widths. Fix: e.g. --blocks 256,64 --bits 8,4 (qwZ int8, qgZ int4)")
+    pairs = list(zip(blocks, bits_list))
     saved = tq._TILE_ELEMS, tq._NUM_WARPS
     try:
         for tile in (1024, 2048, 4096, 8192, 16384):
             for warps in (4, 8, 16):
                 tq._TILE_ELEMS, tq._NUM_WARPS = tile, warps
-                for block_elems, bits in zip([int(b) for b in args.blocks.split(",")],
-                                             [int(b) for b in args.bits.split(",")]):
+                for block_elems, bits in pairs:
                     for op in args.ops.split(",") if args.ops else OPS:
                         nbytes, fns, _ = _op_setup(op, numel, block_elems, bits, getattr(torch, args.dtype), device)
                         ms = _time_ms(fns["triton"], device)

@@ -324,7 +324,10 @@ def _waits(trace: dict) -> dict[str, list[float]]:
     'waiting' events before and after the first backward compute), and the
     end-of-backward reduce-scatter wait."""
     events = trace["events"]
-    first_b = min(e[2] for e in events if e[0] == "compute" and e[1].startswith("B"))
+    first_b = min((e[2] for e in events if e[0] == "compute" and e[1].startswith("B")), default=None)
+    if first_b is None:
+        raise ValueError(f"volume.py: the {trace['system']} trace has no backward compute. "
+                         "Fix: re-run benchmarks/overlap_timeline.py")
     waits = [(e[2], e[3] - e[2]) for e in events if e[0] == "waiting"]
     end = [e[3] - e[2] for e in events if e[0] == "reduce-scatter" and e[1] == "end of backward"]
     return {"forward": [w for t, w in waits if t < first_b], "backward": [w for t, w in waits if t >= first_b],
@@ -439,7 +442,8 @@ def _suite_lines(data: dict, command: str, params: int) -> list[str]:
                      + (f"{ideal / MB:.2f} |" if ideal is not None else "- |"))
     lines += ["", "*NCCL-ideal* estimates a peer's bytes with a native reduce-scatter: gloo has none, "
               "so DeepSpeed and FSDP2 reduce-scatter through an all-reduce and send the gradient bytes "
-              "twice; the column subtracts what that adds on the ring (2 node-crossing links x 3/4 x the "
+              "twice (assumed: DeepSpeed reduces bf16 gradients in one such all-reduce per step, "
+              "FSDP2 fp32 ones); the column subtracts what that adds on the ring (2 node-crossing links x 3/4 x the "
               "reduce dtype's bytes x parameters). Our systems use all-to-all and need no correction. An "
               "estimate from a formula, not a measurement."]
     lines += ["", "Targets:", "", "| target | measured | met |", "|---|---:|:---:|"]

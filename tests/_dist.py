@@ -21,9 +21,17 @@ for 2 ranks on the 2-core CI machine before the worker's first line, on every ca
 that has imported them once (``_PRELOAD``); a child gets the parent's sys.path and
 working directory from multiprocessing, and the parent's environment as it is at the
 call (the forkserver's own is the one it started with), applied before the worker runs.
-Nothing in the preloaded modules reads the environment at import. A forked child leaves
-through ``os._exit``, which skips atexit handlers, so ``_entry`` runs them itself, as a
-user's process would at its exit. ``ZEROPP_TEST_START=spawn`` goes back to spawn.
+What the preloaded modules read from the environment at import (transformers' and
+huggingface_hub's ``HF_*``, torch's dynamo/inductor settings, ``TMPDIR``) is the
+forkserver's, fixed at the first call; no test passes such a variable today (the one
+passed, ``ACCELERATE_USE_CPU``, is read at run time). Forked ranks also share the hash
+seed and the memory layout, which real ranks do not: code that orders collectives by
+iterating a set of strings or by ``id()`` would pass here and diverge under torchrun, so
+the compatibility runs (``.ci/compat``: stages 1-3 against DDP, checkpoints, offload,
+Accelerate) start their ranks with spawn. A forked child leaves through ``os._exit``,
+which skips the interpreter's exit, so ``_entry`` does what that exit does, in its
+order: join the non-daemon threads, run the atexit handlers, then destroy a process
+group still left. ``ZEROPP_TEST_START=spawn`` goes back to spawn.
 """
 
 from __future__ import annotations
@@ -122,14 +130,17 @@ def _entry(
         out.put((rank, False, traceback.format_exc()))
     finally:
         import atexit
+        import threading
 
         import torch.distributed as dist
 
+        # What the interpreter does at a process's exit, which a forked rank (os._exit)
+        # skips: join the non-daemon threads, then the atexit handlers (the swap files'
+        # cleanup, the orderly exit that stops comm threads before destroying the groups).
+        threading._shutdown()
+        atexit._run_exitfuncs()
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
-        # A forked rank leaves through os._exit, which skips the atexit handlers that a
-        # user's process runs at its exit (the swap files' cleanup, say): run them here.
-        atexit._run_exitfuncs()
 
 
 def run_ranks(

@@ -367,9 +367,11 @@ def _evaluate_under_no_grad(trainer: Any) -> None:
     do not track version counter", seen on an H100 with NCCL in the main job's validate).
     Lightning decides this for its own FSDPStrategy (and for gloo, which is why CPU runs never
     met it); the same rule for ours."""
-    loops = (trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop, trainer.test_loop, trainer.predict_loop)
+    epoch_loop = getattr(trainer.fit_loop, "epoch_loop", None)  # a user's own fit loop may have none
+    loops = (getattr(epoch_loop, "val_loop", None), trainer.validate_loop, trainer.test_loop, trainer.predict_loop)
     for loop in loops:
-        loop.inference_mode = False
+        if loop is not None and hasattr(loop, "inference_mode"):
+            loop.inference_mode = False
 
 
 class ZeroPPStrategy(StrategyMixin, ParallelStrategy):
