@@ -2,8 +2,8 @@
 
     results = run_ranks(worker, world_size=4, args=(tmp_path,), timeout_s=120)
 
-``worker(rank, world_size, *args)`` runs in a fresh process (start method "forkserver",
-see below) with the environment a launcher would give it (MASTER_ADDR/PORT, RANK, WORLD_SIZE,
+``worker(rank, world_size, *args)`` runs in a fresh process (start method "spawn"; see
+below for "forkserver") with the environment a launcher would give it (MASTER_ADDR/PORT, RANK, WORLD_SIZE,
 LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK), so Lightning's ``LightningEnvironment`` sees
 externally created processes and ``Trainer(devices=world_size)`` joins them. With
 ``init_process_group=True`` the harness also creates the default gloo group before
@@ -17,8 +17,12 @@ Ranks share one machine, so each is pinned to one intra-op thread: with 4 ranks 
 
 Start method. A "spawn" rank imports torch, Lightning and this package afresh: 11-12 s
 for 2 ranks on the 2-core CI machine before the worker's first line, on every call
-(`python benchmarks/spawn_cost.py`). The ranks are therefore forked from a forkserver
-that has imported them once (``_PRELOAD``); a child gets the parent's sys.path and
+(`python benchmarks/spawn_cost.py`). ``ZEROPP_TEST_START=forkserver`` forks the ranks
+from a server that has imported them once (``_PRELOAD``; the suite in 934 s instead of
+1886 s), but it is not the default: in one of three full runs a forked rank aborted with
+glibc's "malloc(): unaligned tcache chunk detected" (tests/test_checkpoint_faults.py,
+Accelerate and Fabric in one worker; it passed 3 of 3 times on its own), and the cause is
+not found. With the forkserver: a child gets the parent's sys.path and
 working directory from multiprocessing, and the parent's environment as it is at the
 call (the forkserver's own is the one it started with), applied before the worker runs.
 What the preloaded modules read from the environment at import (transformers' and
@@ -26,12 +30,11 @@ huggingface_hub's ``HF_*``, torch's dynamo/inductor settings, ``TMPDIR``) is the
 forkserver's, fixed at the first call; no test passes such a variable today (the one
 passed, ``ACCELERATE_USE_CPU``, is read at run time). Forked ranks also share the hash
 seed and the memory layout, which real ranks do not: code that orders collectives by
-iterating a set of strings or by ``id()`` would pass here and diverge under torchrun, so
-the compatibility runs (``.ci/compat``: stages 1-3 against DDP, checkpoints, offload,
-Accelerate) start their ranks with spawn. A forked child leaves through ``os._exit``,
+iterating a set of strings or by ``id()`` would pass there and diverge under torchrun:
+one more reason spawn stays the default. A forked child leaves through ``os._exit``,
 which skips the interpreter's exit, so ``_entry`` does what that exit does, in its
 order: join the non-daemon threads, run the atexit handlers, then destroy a process
-group still left. ``ZEROPP_TEST_START=spawn`` goes back to spawn.
+group still left (spawned ranks do the same, before their own exit).
 """
 
 from __future__ import annotations
@@ -79,7 +82,7 @@ _PRELOAD = ["torch", "torch.distributed", "lightning.pytorch", "zeropp_strategy"
 
 
 def _context() -> mp.context.BaseContext:
-    method = os.environ.get("ZEROPP_TEST_START", "forkserver")
+    method = os.environ.get("ZEROPP_TEST_START", "spawn")
     ctx = mp.get_context(method)
     if method == "forkserver":
         ctx.set_forkserver_preload(_PRELOAD)  # takes effect when the server starts: the first call
