@@ -25,7 +25,8 @@ users: ``zeropp_strategy.from_pretrained(FOLDER, dtype=torch.float32)`` in
 Trainer on 2 ranks, ``bf16-mixed`` (``--precision``), ``ZeroPPStrategy(stage=3, quantize_frozen_weights=True,
 frozen_weight_bits=4)`` with the optimizer offloaded to host memory under
 ``host_memory_budget_bytes`` (so that the memory plan is made and logged), ``--steps``
-steps of 2 rows of 32 random byte-range ids; then the live model's logits on a fixed row
+steps (AdamW, ``--lr``) on one fixed batch of 2 rows of 32 random byte-range ids per rank,
+repeated: an overfit check, so the loss must fall at every step; then the live model's logits on a fixed row
 (``trainer.predict``), the adapters (``export_adapters``) and the merged model in bf16
 (``export_pretrained``) are written under ``--export``. A third process
 checks them: the merged folder loaded by transformers gives the live model's logits on a
@@ -201,7 +202,7 @@ def finetune_cell(args: argparse.Namespace) -> None:
             return self.model(input_ids=batch).logits.float()
 
         def configure_optimizers(self):
-            return torch.optim.AdamW((p for p in self.parameters() if p.requires_grad), lr=5e-3)
+            return torch.optim.AdamW((p for p in self.parameters() if p.requires_grad), lr=args.lr)
 
     class Clock(L.Callback):
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
@@ -219,7 +220,10 @@ def finetune_cell(args: argparse.Namespace) -> None:
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision=args.precision,
                         max_steps=args.steps, callbacks=[Clock()], logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
-    tokens = torch.randint(3, 384, (2 * args.steps, 32), generator=torch.Generator().manual_seed(0))  # byte ids
+    # One batch of 2 rows of byte ids per rank, the same at every step: an overfit check, so
+    # the loss must fall step by step (fresh random rows have nothing to learn beyond their
+    # uniform distribution, and a loader shorter than the run repeats them out of order).
+    tokens = torch.randint(3, 384, (4, 32), generator=torch.Generator().manual_seed(0))
     module = FineTune(args.finetune)
     t0 = time.perf_counter()
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(tokens, batch_size=2))
@@ -281,13 +285,14 @@ def finetune(args: argparse.Namespace) -> dict:
     out = f"/tmp/zeropp-finetune-{os.getpid()}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", __file__, "--cell", "--mode",
            "finetune", "--finetune", args.finetune, "--export", str(export), "--steps", str(args.steps), "--out", out,
-           "--budget-gib", str(args.budget_gib), "--precision", args.precision]
+           "--budget-gib", str(args.budget_gib), "--precision", args.precision, "--lr", str(args.lr)]
     t0 = time.perf_counter()
     rc = subprocess.run(cmd, cwd=ROOT).returncode
     ranks = [json.loads(Path(f"{out}.finetune.{r}").read_text()) for r in range(2)
              if Path(f"{out}.finetune.{r}").exists()]
     res: dict = {"folder": Path(args.finetune).name, "returncode": rc, "wall_s": time.perf_counter() - t0,
-                 "ranks": ranks, "lora": LORA, "steps": args.steps, "precision": args.precision}
+                 "ranks": ranks, "lora": LORA, "steps": args.steps, "precision": args.precision, "lr": args.lr,
+                 "data": "one batch of 2 rows x 32 byte ids per rank, repeated every step"}
     if rc == 0 and len(ranks) == 2:
         res["check"] = finetune_check(args)
     return res
@@ -348,6 +353,7 @@ def main() -> None:
     p.add_argument("--finetune", help="fine-tune this folder on 2 ranks (int4 base, LoRA r=16) and check the exports")
     p.add_argument("--export", help="--finetune: where the adapters and the merged model go")
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW's learning rate of the fine-tune (LoRA)")
     p.add_argument("--precision", default="bf16-mixed",
                    help="--finetune: the Trainer's precision (32-true on a CPU without bf16 matmul units: there "
                         "bf16-mixed's autocast runs emulated bf16 matmuls, about 10x slower)")

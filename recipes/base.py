@@ -18,6 +18,7 @@ from lightning.pytorch import LightningModule
 from torch.utils.data import DataLoader
 
 from zeropp_strategy.rlhf.data import EvalShard, PairCollator, load_records
+from zeropp_strategy.checkpoint.consolidate import weights_dtype
 from zeropp_strategy.rlhf.models import build_tokenizer, tiny_llama_config
 
 __all__ = ["DatasetModule", "PairDatasetModule"]
@@ -41,10 +42,14 @@ class DatasetModule(LightningModule):
         val_fraction: float,
         seed: int,
         export_dir: str | None = None,
+        dtype: str | None = None,
     ) -> None:
         super().__init__()
         self.export_dir = export_dir
         self.model_spec = model if model is not None else tiny_llama_config()
+        #: the networks' weights dtype when built (``dtype`` of build_causal_lm), checked here:
+        #: a bad name fails on every rank before the Trainer starts
+        self.weights_dtype = weights_dtype(dtype)
         self.tokenizer = build_tokenizer(tokenizer)
         self.data, self.batch_size, self.max_length = data, batch_size, max_length
         self.lr, self.weight_decay, self.val_fraction, self.seed = lr, weight_decay, val_fraction, seed

@@ -62,10 +62,11 @@ class DPOModule(PairDatasetModule):
         val_fraction: float = 0.1,
         seed: int = 0,
         export_dir: str | None = None,
+        dtype: str | None = None,
     ) -> None:
         super().__init__(model=model, tokenizer=tokenizer, data=data, batch_size=batch_size, max_length=max_length,
                          lr=lr, weight_decay=weight_decay, val_fraction=val_fraction, seed=seed,
-                         export_dir=export_dir)
+                         export_dir=export_dir, dtype=dtype)
         if beta <= 0:
             raise ValueError(f"DPOModule(beta={beta}) is invalid: it must be > 0. Fix: e.g. beta=0.1.")
         self.save_hyperparameters()
@@ -82,12 +83,12 @@ class DPOModule(PairDatasetModule):
             return
         import copy
 
-        self.policy = build_causal_lm(self.model_spec).train()  # see SFTModule.configure_model
+        self.policy = build_causal_lm(self.model_spec, dtype=self.weights_dtype).train()  # see SFTModule.configure_model
         if isinstance(self.model_spec, dict):
             self.reference = copy.deepcopy(self.policy)
         else:  # precomputed here, in configure_model: it must exist for real (every rank holds it)
             with torch.device("cpu") if self.precompute_reference else contextlib.nullcontext():
-                self.reference = build_causal_lm(self.model_spec)
+                self.reference = build_causal_lm(self.model_spec, dtype=self.weights_dtype)
         disable_dropout(self.reference.requires_grad_(False)).train()  # from_pretrained gives eval mode; Lightning warns
         self.policy = apply_lora(self.policy, self.lora)
         if self.precompute_reference:

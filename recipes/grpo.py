@@ -44,6 +44,7 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
+from zeropp_strategy.checkpoint.consolidate import weights_dtype
 from zeropp_strategy.engine.pretrained import copy_on_materialize
 from zeropp_strategy.rlhf import grpo_ops, ops
 from zeropp_strategy.rlhf.data import EvalShard, PromptCollator, load_records
@@ -130,6 +131,8 @@ class GRPOModule(LightningModule):
         gather_for_generation: under ZeRO-3, gather the actor's blocks once per rollout.
         export_dir: at the end of ``fit`` the actor is written there as a HF folder.
         seed: prompt order, mini-batch order, sampling.
+        dtype: the weights' dtype of every network built from a folder or config
+            (``bf16``, ``fp16``, ``fp32``; ``None``: the folder's own). See ``SFTModule``.
     """
 
     def __init__(
@@ -168,6 +171,7 @@ class GRPOModule(LightningModule):
         gather_for_generation: bool = True,
         export_dir: str | None = None,
         seed: int = 0,
+        dtype: str | None = None,
     ) -> None:
         super().__init__()
         completions = rollout_batch_size * num_generations
@@ -213,6 +217,7 @@ class GRPOModule(LightningModule):
             self.validation_step = self.val_dataloader = None  # type: ignore[assignment, method-assign]
         self.reward_names = [n for n, _ in self.reward_funcs] + (["reward_model"] if reward_model is not None else [])
         self.reward_weights = torch.tensor(reward_weights if reward_weights is not None else [1.0] * sources)
+        self.weights_dtype = weights_dtype(dtype)  # a bad name fails here, on every rank
         self.actor_spec = actor if actor is not None else tiny_llama_config()
         self.reward_spec, self.reference_spec = reward_model, reference
         self.tokenizer = build_tokenizer(tokenizer)
@@ -230,13 +235,14 @@ class GRPOModule(LightningModule):
     def configure_model(self) -> None:
         if self.actor is not None:
             return
-        actor = build_causal_lm(self.actor_spec)
+        dtype = self.weights_dtype
+        actor = build_causal_lm(self.actor_spec, dtype=dtype)
         if self.hparams.beta > 0:  # the reference serves the KL term only: none without it
             spec = self.reference_spec if self.reference_spec is not None else self.actor_spec
-            self.reference = copy_on_materialize(actor) if isinstance(spec, dict) else build_causal_lm(spec)
+            self.reference = copy_on_materialize(actor) if isinstance(spec, dict) else build_causal_lm(spec, dtype=dtype)
             self.reference.requires_grad_(False)
         if self.reward_spec is not None:
-            self.reward_model = ScalarHeadModel(self.reward_spec).requires_grad_(False)
+            self.reward_model = ScalarHeadModel(self.reward_spec, dtype=dtype).requires_grad_(False)
         self.actor = apply_lora(actor, self.hparams.lora)
         for net in (self.actor, self.reference, self.reward_model):
             if net is not None:  # dropout off, in train mode: see PPOModule

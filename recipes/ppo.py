@@ -44,6 +44,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from zeropp_strategy.engine.fsdp import fsdp_modules
+from zeropp_strategy.checkpoint.consolidate import weights_dtype
 from zeropp_strategy.engine.pretrained import copy_on_materialize
 from zeropp_strategy.rlhf import ops
 from zeropp_strategy.rlhf.data import EvalShard, PromptCollator, SFTCollator, load_records
@@ -111,6 +112,8 @@ class PPOModule(LightningModule):
         export_dir: at the end of ``fit``, the actor is written there as a Hugging Face
             folder (and the EMA actor to ``<export_dir>-ema`` when ``ema_decay`` is set).
         seed: prompt order, mini-batch order and the sampling generator.
+        dtype: the weights' dtype of every network built from a folder or config
+            (``bf16``, ``fp16``, ``fp32``; ``None``: the folder's own). See ``SFTModule``.
     """
 
     def __init__(
@@ -151,6 +154,7 @@ class PPOModule(LightningModule):
         gather_for_generation: bool = True,
         export_dir: str | None = None,
         seed: int = 0,
+        dtype: str | None = None,
     ) -> None:
         super().__init__()
         _check(rollout_batch_size >= 1, "rollout_batch_size", rollout_batch_size, "use a positive number, e.g. 32")
@@ -177,6 +181,7 @@ class PPOModule(LightningModule):
             # No evaluation prompts, no validation: Lightning skips it, quietly, when neither
             # hook is overridden. (An empty val_dataloader made it warn that its length is zero.)
             self.validation_step = self.val_dataloader = None  # type: ignore[assignment, method-assign]
+        self.weights_dtype = weights_dtype(dtype)  # a bad name fails here, on every rank
         self.actor_spec = actor if actor is not None else tiny_llama_config()
         self.reward_spec = reward_model if reward_model is not None else tiny_llama_config()
         self.critic_spec, self.reference_spec = critic, reference
@@ -198,20 +203,21 @@ class PPOModule(LightningModule):
         if self.actor is not None:
             return
         hp = self.hparams
-        actor = build_causal_lm(self.actor_spec)
+        dtype = self.weights_dtype
+        actor = build_causal_lm(self.actor_spec, dtype=dtype)
         if self.reference_spec is not None:
-            reference = build_causal_lm(self.reference_spec)
+            reference = build_causal_lm(self.reference_spec, dtype=dtype)
         elif isinstance(self.actor_spec, dict):
             reference = copy.deepcopy(actor)
         else:
-            reference = build_causal_lm(self.actor_spec)
-        reward = ScalarHeadModel(self.reward_spec)
+            reference = build_causal_lm(self.actor_spec, dtype=dtype)
+        reward = ScalarHeadModel(self.reward_spec, dtype=dtype)
         if self.critic_spec is not None:
-            critic = ScalarHeadModel(self.critic_spec)
+            critic = ScalarHeadModel(self.critic_spec, dtype=dtype)
         elif isinstance(self.reward_spec, dict):
             critic = copy.deepcopy(reward)
         else:
-            critic = ScalarHeadModel(self.reward_spec)
+            critic = ScalarHeadModel(self.reward_spec, dtype=dtype)
         for frozen in (reference, reward):
             frozen.requires_grad_(False)
         self.actor = apply_lora(actor, hp.lora)

@@ -54,10 +54,11 @@ class RewardModule(PairDatasetModule):
         val_fraction: float = 0.1,
         seed: int = 0,
         export_dir: str | None = None,
+        dtype: str | None = None,
     ) -> None:
         super().__init__(model=model, tokenizer=tokenizer, data=data, batch_size=batch_size, max_length=max_length,
                          lr=lr, weight_decay=weight_decay, val_fraction=val_fraction, seed=seed,
-                         export_dir=export_dir)
+                         export_dir=export_dir, dtype=dtype)
         self.save_hyperparameters()
         self.margin, self.center_coef = margin, center_coef
         self.lora = lora
@@ -70,7 +71,9 @@ class RewardModule(PairDatasetModule):
     def configure_model(self) -> None:
         if self.model is None:
             spec = self.model_spec
-            model = ScalarHeadModel(spec if isinstance(spec, dict) else build_causal_lm(spec).get_decoder())
+            dtype = self.weights_dtype
+            model = ScalarHeadModel(spec if isinstance(spec, dict) else build_causal_lm(spec, dtype=dtype).get_decoder(),
+                                    dtype=dtype)
             if self.lora:  # adapters on the body; the head is new and trains in full
                 model.backbone = apply_lora(model.backbone, self.lora)
             self.model = model.train()  # from_pretrained's eval mode: see SFTModule.configure_model

@@ -46,6 +46,10 @@ class SFTModule(DatasetModule):
         seed: the train/validation split.
         export_dir: at the end of ``fit`` the model is written there as a Hugging Face
             folder (``from_pretrained``-loadable, LoRA merged), with the tokenizer.
+        dtype: the weights' dtype, converted tensor by tensor on load: ``bf16``, ``fp16`` or
+            ``fp32`` (or ``bfloat16``, ``float32``, ...; TRL's ``model_init_kwargs.dtype``).
+            ``None``: the folder's own (fp32 for a config dict). With ``precision:
+            bf16-mixed``, ``fp32`` keeps fp32 master weights of a bf16 folder.
     """
 
     def __init__(
@@ -63,10 +67,11 @@ class SFTModule(DatasetModule):
         val_fraction: float = 0.05,
         seed: int = 0,
         export_dir: str | None = None,
+        dtype: str | None = None,
     ) -> None:
         super().__init__(model=model, tokenizer=tokenizer, data=data, batch_size=batch_size, max_length=max_length,
                          lr=lr, weight_decay=weight_decay, val_fraction=val_fraction, seed=seed,
-                         export_dir=export_dir)
+                         export_dir=export_dir, dtype=dtype)
         self.save_hyperparameters()
         self.train_on_prompt = train_on_prompt
         self.packing = packing
@@ -77,7 +82,7 @@ class SFTModule(DatasetModule):
         if self.model is None:
             # train(): from_pretrained returns a model in eval mode, and Lightning keeps the
             # mode it finds (it would train with dropout off and warn about eval modules).
-            self.model = apply_lora(build_causal_lm(self.model_spec), self.lora).train()
+            self.model = apply_lora(build_causal_lm(self.model_spec, dtype=self.weights_dtype), self.lora).train()
 
     def _loader(self, records: list[dict[str, str]], shuffle: bool) -> DataLoader:
         collate = SFTCollator(self.tokenizer, max_length=self.max_length, train_on_prompt=self.train_on_prompt,

@@ -10,7 +10,8 @@ stage 1 (built for real by transformers, the reference). Checked: the networks w
 at the end of ``configure_model`` at stage 3 and real at stage 1; the first SFT loss (LoRA's
 B starts at zero, so it is the base model's) is the same; the frozen base after training,
 the reward model, the critic's and the reward model's heads and bodies equal the files bit
-for bit; PPO's EMA actor starts equal to the actor (its LoRA A included) at both stages.
+for bit; PPO's EMA actor starts equal to the actor (its LoRA A included) at both stages;
+``SFTModule(dtype="float32")`` holds the bf16 folder's weights as fp32, equal to the files.
 """
 
 from __future__ import annotations
@@ -88,9 +89,13 @@ def _worker(rank: int, world: int, lm: str, rm: str) -> dict:
         torch.manual_seed(0)
         ppo = PPO(actor=lm, reward_model=rm, lora=LORA, ema_decay=0.9, rollout_batch_size=4, mini_batch_size=2)
         L.Trainer(strategy=zeropp_strategy.ZeroPPStrategy(stage=stage), **trainer_kwargs(world, max_steps=0)).fit(ppo)
+        # dtype: fp32 weights from the bf16 folder, converted tensor by tensor as they are read
+        fp32 = SFT(model=lm, dtype="float32", batch_size=4, max_length=32)
+        L.Trainer(strategy=zeropp_strategy.ZeroPPStrategy(stage=stage), **trainer_kwargs(world, max_steps=0)).fit(fp32)
         out[stage] = {"sft_meta": sft.built_on_meta, "sft_loss": sft.first_loss,
                       "sft_base": {k: v for k, v in state.items() if "lora" not in k},
-                      "ppo_meta": ppo.built_on_meta, "ppo": ppo.start}
+                      "ppo_meta": ppo.built_on_meta, "ppo": ppo.start,
+                      "fp32_meta": fp32.built_on_meta, "fp32": full_model_state(fp32.model)}
     return out
 
 
@@ -102,8 +107,8 @@ def runs(tmp_path_factory):
 
 def test_folders_are_built_on_meta_at_stage_3_and_for_real_at_stage_1(runs) -> None:
     _, _, out = runs
-    assert out[3]["sft_meta"] and all(out[3]["ppo_meta"].values()), out[3]
-    assert not out[1]["sft_meta"] and not any(out[1]["ppo_meta"].values()), out[1]
+    assert out[3]["sft_meta"] and all(out[3]["ppo_meta"].values()) and out[3]["fp32_meta"], out[3]
+    assert not out[1]["sft_meta"] and not any(out[1]["ppo_meta"].values()) and not out[1]["fp32_meta"], out[1]
 
 
 def test_the_streamed_base_equals_the_files(runs) -> None:
@@ -122,6 +127,11 @@ def test_the_streamed_base_equals_the_files(runs) -> None:
             got = base["base_model.model." + k.replace(".weight", ".base_layer.weight")
                        if k.split(".")[-2] in LORA["target_modules"] else "base_model.model." + k]
             assert got.dtype == want.dtype and torch.equal(got, want), (stage, k)
+        # SFTModule(dtype="float32") on the bf16 folder: every weight fp32, equal to the file's
+        fp32 = out[stage]["fp32"]
+        assert set(fp32) == set(files), sorted(set(fp32) ^ set(files))[:4]
+        for k, want in files.items():
+            assert fp32[k].dtype == torch.float32 and torch.equal(fp32[k], want.float()), (stage, k)
 
 
 def test_scalar_heads_and_the_ema_start_as_they_should(runs) -> None:
@@ -143,3 +153,19 @@ def test_scalar_heads_and_the_ema_start_as_they_should(runs) -> None:
         assert actor.keys() == ema.keys() and any("lora_A" in k for k in actor)
         for k in actor:
             assert torch.equal(actor[k], ema[k]), (stage, k)
+
+
+def test_a_bad_dtype_names_the_field_and_the_fix_before_any_network_is_built() -> None:
+    from zeropp_strategy.recipes import GRPOModule, PPOModule, SFTModule
+
+    for module in (SFTModule, PPOModule, GRPOModule):
+        with pytest.raises(ValueError, match=r"dtype='int8' is invalid: must be one of \['bf16', 'fp16', 'fp32'\]"):
+            module(dtype="int8")
+
+
+def test_scalar_head_model_takes_the_dtype_for_body_and_head() -> None:
+    from zeropp_strategy.rlhf.models import ScalarHeadModel
+
+    model = ScalarHeadModel({"model_type": "llama", **SHAPE}, dtype="bf16")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert ScalarHeadModel({"model_type": "llama", **SHAPE}).head.weight.dtype == torch.float32

@@ -55,7 +55,7 @@ from zeropp_strategy.errors import USAGE_EXIT, UsageError, run
 from zeropp_strategy.parsers import CONSOLIDATE_DTYPES
 from zeropp_strategy.parsers import consolidate_parser as build_parser
 
-__all__ = ["consolidate", "parse_size", "main"]
+__all__ = ["consolidate", "parse_size", "main", "weights_dtype"]
 
 CONSOLIDATED_FORMAT = "zeropp-consolidated"  # the "zeropp" block's format in a file we write
 
@@ -202,16 +202,20 @@ def _write_hf(src: ShardedCheckpoint | FullCheckpoint, out: Path, dtype: torch.d
 # -- the entry point ------------------------------------------------------------------------
 
 
-def _dtype(value: torch.dtype | str | None) -> torch.dtype | None:
+def weights_dtype(value: torch.dtype | str | None, field: str = "dtype") -> torch.dtype | None:
+    """A floating dtype for weights from a torch dtype or a name (``bf16``/``bfloat16``,
+    ``fp16``/``float16``/``half``, ``fp32``/``float32``/``float``); ``None`` stays ``None``.
+    Anything else raises one line naming ``field``, the value and the fix."""
     if value is None or isinstance(value, torch.dtype):
         dt = value
     else:
         name = _DTYPE_ALIASES.get(str(value).lower(), str(value).lower())
         if name not in DTYPES:
-            raise ValueError(f"dtype={value!r} is invalid: must be one of {sorted(DTYPES)}. Fix: e.g. dtype='bf16'.")
+            raise ValueError(f"{field}={value!r} is invalid: must be one of {sorted(DTYPES)} (or their torch "
+                             f"names, e.g. 'bfloat16'). Fix: e.g. {field}='bf16'.")
         dt = DTYPES[name]
     if dt is not None and not dt.is_floating_point:
-        raise ValueError(f"dtype={value!r} is invalid: weights are cast to a floating dtype. Fix: e.g. dtype='bf16'.")
+        raise ValueError(f"{field}={value!r} is invalid: weights are cast to a floating dtype. Fix: e.g. {field}='bf16'.")
     return dt
 
 
@@ -251,7 +255,7 @@ def consolidate(
             trained ones (parameters it did not average, e.g. frozen ones, as saved).
     """
     src_path, out_path = Path(ckpt), Path(out)
-    cast = _dtype(dtype)
+    cast = weights_dtype(dtype)
     if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes={max_shard_bytes!r} is invalid: must be a positive int. Fix: e.g. 2**30.")
     if src_path.exists() and out_path.exists():

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from zeropp_strategy.checkpoint.consolidate import weights_dtype
 from zeropp_strategy.engine.pretrained import fill_from_file, from_pretrained
 from zeropp_strategy.rlhf.ops import last_index
 
@@ -65,14 +66,17 @@ def _dtype_kwargs(dtype: torch.dtype | None) -> dict[str, torch.dtype]:
     return {"dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype": dtype}
 
 
-def build_causal_lm(model: str | dict[str, Any], *, dtype: torch.dtype | None = None) -> nn.Module:
+def build_causal_lm(model: str | dict[str, Any], *, dtype: torch.dtype | str | None = None) -> nn.Module:
     """``AutoModelForCausalLM`` from a local folder or hub name, or from scratch from a config
     dict. [Note: recipes on the meta device]: from a folder, inside the strategy's meta
     build (``configure_model`` at stages 2/3) the model is a skeleton that each rank fills
     with its own shard (``zeropp_strategy.from_pretrained``); from a config dict it is built
-    for real on every rank, so that a copy of it (the reference policy) starts with its values."""
+    for real on every rank, so that a copy of it (the reference policy) starts with its values.
+    ``dtype`` (a torch dtype or a name such as ``"bf16"``): the weights' dtype, converted
+    tensor by tensor as they are read; ``None``: the folder's own (fp32 from a config dict)."""
     from transformers import AutoModelForCausalLM
 
+    dtype = weights_dtype(dtype)
     if isinstance(model, dict):
         with torch.device("cpu"):  # the innermost device context wins over the strategy's meta one
             return AutoModelForCausalLM.from_config(_config(model), **_dtype_kwargs(dtype))
@@ -158,25 +162,29 @@ class ScalarHead(nn.Linear):
 
 class ScalarHeadModel(nn.Module):
     """A transformer backbone with a linear scalar head: the reward model and the critic.
+    ``dtype`` as in ``build_causal_lm``, for the body and the head.
 
     ``forward`` returns the per-token values ``[batch, time]``; ``score`` the value at
     each row's last real token, found from the attention mask (left or right padding).
     """
 
-    def __init__(self, model: str | dict[str, Any] | nn.Module) -> None:
+    def __init__(self, model: str | dict[str, Any] | nn.Module, *, dtype: torch.dtype | str | None = None) -> None:
         super().__init__()
         from transformers import AutoModel
 
+        dtype = weights_dtype(dtype)
         if isinstance(model, nn.Module):
             self.backbone = model
         elif isinstance(model, dict):
             with torch.device("cpu"):  # built for real, as build_causal_lm builds a config dict
-                self.backbone = AutoModel.from_config(_config(model))
+                self.backbone = AutoModel.from_config(_config(model), **_dtype_kwargs(dtype))
         else:  # a causal LM's folder (the SFT output) or a ScalarHeadModel's: the body without a head
             model = _local(model)
-            self.backbone = from_pretrained(model, auto_class=AutoModel)
+            self.backbone = from_pretrained(model, auto_class=AutoModel, dtype=dtype)
         with torch.device(next(self.backbone.parameters()).device):  # on meta with a streamed backbone
             self.head = ScalarHead(self.backbone.config.hidden_size)
+        if dtype is not None:  # asked for: the head too (else fp32, whatever the body's dtype)
+            self.head.to(dtype)
         #: the score mean and std of the reward model's validation (for PPO's normalisation)
         self.reward_stats: dict[str, float] = {"mean": 0.0, "std": 1.0}
         if isinstance(model, str):
