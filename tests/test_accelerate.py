@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -336,6 +337,7 @@ def _grads_worker(rank, world):
 
     from tests._models import Net, dataset
     from zeropp_strategy.accelerate import ZeroPPAccelerator
+    from zeropp_strategy.engine.grad_reads import GradientReadWarning
 
     out = {}
     for stage in (None, 1, 2, 3):
@@ -343,16 +345,28 @@ def _grads_worker(rank, world):
         torch.manual_seed(1234)
         model = accelerator.prepare(Net())
         x, y = dataset(n=8)[rank * 4:(rank + 1) * 4]
-        accelerator.backward(torch.nn.functional.cross_entropy(model(x), y))
-        if stage is None:
-            out["ddp"] = {n: p.grad.detach().clone() for n, p in accelerator.unwrap_model(model).named_parameters()}
-        else:
-            out[stage] = accelerator.full_gradients(model)
-            raw = {n: p.grad for n, p in accelerator.unwrap_model(model).named_parameters()}
-            out[f"raw{stage}"] = all(type(g) is torch.Tensor and torch.allclose(g, out[stage][n], rtol=1e-5, atol=1e-7)
-                                     for n, g in raw.items())
-            norm = accelerator.clip_grad_norm_(model.parameters(), 1e9)
-            out[f"norm{stage}"] = float(norm)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            if stage == 1:  # inside no_sync p.grad is this process's own, as under DDP: read silently
+                with accelerator.no_sync(model):
+                    accelerator.backward(torch.nn.functional.cross_entropy(model(x), y))
+                assert all(p.grad is not None for p in model.parameters())
+                model.zero_grad(set_to_none=True)
+            accelerator.backward(torch.nn.functional.cross_entropy(model(x), y))
+            if stage is None:
+                out["ddp"] = {n: p.grad.detach().clone() for n, p in accelerator.unwrap_model(model).named_parameters()}
+            else:
+                out[stage] = accelerator.full_gradients(model)  # the package's own reads: silent
+                out[f"norm{stage}"] = float(accelerator.clip_grad_norm_(model.parameters(), 1e9))
+                before = len(seen)
+                raw = {n: p.grad for n, p in accelerator.unwrap_model(model).named_parameters()}  # the user's read
+                out[f"raw{stage}"] = all(type(g) is torch.Tensor and torch.allclose(g, out[stage][n], rtol=1e-5,
+                                                                                    atol=1e-7) for n, g in raw.items())
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)  # another read: warned once only
+        if stage is not None:
+            reads = [w for w in seen if issubclass(w.category, GradientReadWarning)]
+            out[f"warned{stage}"] = {"before_user_read": sum(seen.index(w) < before for w in reads),
+                                     "lines": [(Path(w.filename).name, w.lineno, str(w.message)) for w in reads]}
         accelerator.free_memory()
         AcceleratorState._reset_state(reset_partial_state=False)
     out["ddp_norm"] = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in out["ddp"].values()])))
@@ -360,7 +374,8 @@ def _grads_worker(rank, world):
 
 
 def test_full_gradients_are_what_plain_accelerate_leaves_in_grad():
-    """[docs/accelerate.md: Gradients] p.grad differs by stage; full_gradients() does not."""
+    """[docs/accelerate.md: Gradients] p.grad differs by stage; full_gradients() does not; a
+    user's read of a stage-1 gradient warns once."""
     for out in run_ranks(_grads_worker, 2, timeout_s=240, env={"ACCELERATE_USE_CPU": "true"}):
         ddp = out["ddp"]
         assert any(g.dim() >= 2 for g in ddp.values())  # vector parameters, sharded by rows
@@ -370,3 +385,11 @@ def test_full_gradients_are_what_plain_accelerate_leaves_in_grad():
                 assert torch.allclose(out[stage][k], ddp[k], rtol=1e-5, atol=1e-7), (stage, k)
             assert out[f"norm{stage}"] == pytest.approx(out["ddp_norm"], rel=1e-5), stage
             assert not out[f"raw{stage}"], stage  # p.grad itself is not DDP's: rows (stage 1) or shards (2/3)
+        # [Note: stage-1 gradient reads]: the user's read warns once, naming its line; the
+        # no_sync read, full_gradients, clip_grad_norm_ and a second read do not
+        lines = out["warned1"]["lines"]
+        assert out["warned1"]["before_user_read"] == 0 and len(lines) == 1, lines
+        name, _, message = lines[0]
+        assert name == "test_accelerate.py" and "only in the rows this process owns" in message, lines
+        assert "accelerator.full_gradients(model)" in message, message
+        assert not out["warned2"]["lines"] and not out["warned3"]["lines"]  # DTensor shards: no watch

@@ -194,7 +194,8 @@ class ZeroSession:
 
     # -- modules and optimizers -------------------------------------------------------------
 
-    def prepare(self, module: nn.Module, *, train: bool = True, own_root: bool = False) -> nn.Module:
+    def prepare(self, module: nn.Module, *, train: bool = True, own_root: bool = False,
+                grad_read_advice: str | None = None) -> nn.Module:
         """``module`` set up for its stage; returns what forward goes through. Idempotent.
 
         Stage 1 (in this order): meta tensors materialized, precision applied, moved to the
@@ -205,6 +206,8 @@ class ZeroSession:
         order), NVMe parameter store, placement. ``own_root``: FSDP2's root is a
         ``ShardedRoot`` wrapping ``module`` (returned), for a framework that calls methods
         of ``module`` other than forward ([Note: why a separate root] in engine/fsdp.py).
+        ``grad_read_advice`` (stage 1): the front-end's fix for a user reading ``p.grad``,
+        which then warns once ([Note: stage-1 gradient reads] in engine/grad_reads.py).
         """
         done = self._prepared.get(id(module))
         if done is not None and (self.stage != 1 or isinstance(done, DistributedDataParallel) == train):
@@ -213,7 +216,8 @@ class ZeroSession:
             checkpoint = train and id(module) not in self._checkpointed
             if checkpoint:
                 self._checkpointed.add(id(module))
-            prepared = self.engine.prepare_module(module, train=train, checkpoint=checkpoint)
+            prepared = self.engine.prepare_module(module, train=train, checkpoint=checkpoint,
+                                                  grad_read_advice=grad_read_advice)
         elif own_root:
             prepared = self.engine.prepare_module(ShardedRoot(module), train=train)
         else:

@@ -47,16 +47,20 @@ from zeropp_strategy.engine.guards import check_nonfinite_policy, named_paramete
 from zeropp_strategy.engine.guards import unwrap as _unwrap
 from zeropp_strategy.engine.precision import PrecisionPolicy, ShardedGradScaler
 from zeropp_strategy.engine.process_group import check_offload_paths, connect, default_backend
+from zeropp_strategy.engine.grad_reads import GradientReadWarning
 from zeropp_strategy.engine.state import full_gradients, full_model_state
 from zeropp_strategy.session import ZeroSession
 
-__all__ = ["CONFIG_ENV", "ZeroPPAccelerator", "config_from_env"]
+__all__ = ["CONFIG_ENV", "GradientReadWarning", "ZeroPPAccelerator", "config_from_env"]
 
 log = logging.getLogger(__name__)
 
 #: Environment variable naming the plugin's YAML (``ZeroConfig`` schema) or DeepSpeed JSON.
 CONFIG_ENV = "ZEROPP_CONFIG"
 _PRECISION = {"no": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
+# What a user reading p.grad at stage 1 should call instead ([Note: stage-1 gradient reads]).
+_GRAD_READ_ADVICE = ("accelerator.full_gradients(model) for the whole gradients, accelerator.clip_grad_norm_(...) to "
+                     "clip by the global norm")
 _STATE_DIR = "zeropp_state"
 
 
@@ -274,7 +278,7 @@ class ZeroPPAccelerator(Accelerator):
             if model not in self._models:
                 self._models.append(model)
             return model
-        model = self.session.prepare(model, train=not evaluation_mode)
+        model = self.session.prepare(model, train=not evaluation_mode, grad_read_advice=_GRAD_READ_ADVICE)
         if self.native_amp:  # autocast around forward, fp32 outputs: as Accelerate does for DDP
             inner = _unwrap(model)
             autocast = torch.autocast(device_type=self.device.type, dtype=self.session.precision.half_dtype)

@@ -40,6 +40,7 @@ from zeropp_strategy.engine.local_step import LocalStepOptimizer, steps_locally
 from zeropp_strategy.engine.remap import remap_optimizer
 from zeropp_strategy.engine.memory_plan import MemoryPlan, check_memory_plan
 from zeropp_strategy.engine.fsdp import ShardedRoot, fsdp_modules, materialize, replicated_params, shard_module
+from zeropp_strategy.engine.grad_reads import watch_reads
 from zeropp_strategy.engine.guards import (  # noqa: F401 - NONFINITE_POLICIES ... re-exported from their old home
     NONFINITE_POLICIES,
     agree,
@@ -229,9 +230,11 @@ class ZeroEngine:
         """The gradient reduce's dtype from ``ZeroConfig.reduce_dtype`` (None: the precision's own)."""
         return REDUCE_DTYPES[self.config.reduce_dtype] if self.config.reduce_dtype is not None else None
 
-    def wrap_ddp(self, module: nn.Module) -> DistributedDataParallel:
+    def wrap_ddp(self, module: nn.Module, *, grad_read_advice: str | None = None) -> DistributedDataParallel:
         """Stage 1: DDP whose gradient buckets are reduce-scattered by rows ([Note: stage-1
-        partitioned reduce]) and booked in the ledger."""
+        partitioned reduce]) and booked in the ledger. With ``grad_read_advice`` (the
+        front-end's fix), user reads of ``p.grad`` after a sync backward warn once
+        ([Note: stage-1 gradient reads])."""
         device_ids = None if self.device.type == "cpu" else [self.device.index]
         # gradient_as_bucket_view: grads live in DDP's buckets instead of beside them
         # (saves g*P bytes per rank); ShardedOptimizer's shard grads are views of those.
@@ -246,8 +249,9 @@ class ZeroEngine:
         state_bytes = sum(t.numel() * t.element_size() for t in module.state_dict().values())
         self.ledger.record_broadcast(CommKind.OTHER, state_bytes, 0, list(range(self.world_size)))
         thread, groups = self.comm_thread()
+        watch = watch_reads(module, grad_read_advice) if grad_read_advice else None
         state = PartitionedReduce(self.ledger, groups, rank=self.rank, world=self.world_size,
-                                  wire_dtype=self.reduce_dtype(), thread=thread)
+                                  wire_dtype=self.reduce_dtype(), thread=thread, watch=watch)
         ddp.register_comm_hook(state, partitioned_reduce_hook)
         return ddp
 
@@ -323,19 +327,21 @@ class ZeroEngine:
             return
         module.to(self.device)
 
-    def prepare_module(self, module: nn.Module, *, train: bool = True, checkpoint: bool | None = None) -> nn.Module:
+    def prepare_module(self, module: nn.Module, *, train: bool = True, checkpoint: bool | None = None,
+                       grad_read_advice: str | None = None) -> nn.Module:
         """A user's module set up for its stage, for the front-ends that hand over modules one
         at a time (Fabric, Accelerate). Stage 1: materialized, activation checkpointing if
         configured (``train``), DDP, except a module with nothing to train (or ``train=False``),
         which DDP would refuse: it gets rank 0's values instead. Stages 2/3: sharded in place
-        and placed. The parameters' names are remembered for ``adopt_optimizer``."""
+        and placed. The parameters' names are remembered for ``adopt_optimizer``.
+        ``grad_read_advice``: see ``wrap_ddp``."""
         index = self._prepared
         self._prepared += 1
         self._names_before.update({id(p): f"{index}.{n}" for n, p in module.named_parameters(remove_duplicate=False)})
         if self.stage == 1:
             module = self.prepare_stage1(module, checkpoint=train if checkpoint is None else checkpoint)
             if train and any(p.requires_grad for p in module.parameters()):
-                module = self.wrap_ddp(module)
+                module = self.wrap_ddp(module, grad_read_advice=grad_read_advice)
             else:
                 broadcast_module(module, ledger=self.ledger)
         else:

@@ -32,6 +32,7 @@ from zeropp_strategy.comm.collectives import all_reduce, group_ranks
 from zeropp_strategy.comm.comm_thread import CommThread, ThreadGroups
 from zeropp_strategy.comm.hierarchical import reduce_scatter, ring_blocks
 from zeropp_strategy.comm.ledger import CommKind, CommLedger
+from zeropp_strategy.engine.grad_reads import ReadWatch
 from zeropp_strategy.engine.stage1 import row_range
 
 __all__ = ["PartitionedReduce", "partitioned_reduce_hook"]
@@ -91,6 +92,8 @@ class PartitionedReduce:
     wire_dtype: torch.dtype | None = None
     """dtype the gradients travel in (``ZeroConfig.reduce_dtype``); None = their own."""
     thread: CommThread = field(default_factory=CommThread)
+    watch: ReadWatch | None = None
+    """Set when the model's ``.grad`` reads are watched ([Note: stage-1 gradient reads])."""
     _layouts: dict[tuple[int, ...], _Layout] = field(default_factory=dict)
 
     def layout(self, bucket) -> _Layout:  # noqa: ANN001 - a dist.GradBucket
@@ -139,6 +142,8 @@ def partitioned_reduce_hook(state: PartitionedReduce, bucket) -> torch.futures.F
     thread; the returned future completes when the rows are written back.
     """
     buffer = bucket.buffer()
+    if state.watch is not None:  # from now until zero_grad, p.grad is not what DDP would hold
+        state.watch.armed = True
     buffer.mul_(1.0 / state.world)  # DDP's own pre-scaling, the same multiply
     layout = state.layout(bucket)
     return state.thread.submit(lambda: state.reduce(buffer, layout))

@@ -1,0 +1,111 @@
+"""Layer: engine. A warning, once per process, when user code reads a stage-1 gradient that
+is not what DDP would hold.
+
+[Note: stage-1 gradient reads]
+After a gradient-sync backward at stage 1, each process's ``p.grad`` is averaged over the
+processes only in the rows it owns ([Note: stage-1 partitioned reduce]); its other rows
+hold its own unreduced share. Plain DDP (Accelerate without zeropp) leaves the whole
+averaged gradient on every process. Code that reads ``p.grad`` to log a norm, clip by hand
+(``torch.nn.utils.clip_grad_norm_``) or compare processes therefore gets other numbers,
+with nothing to say so. Tensors have no hook on attribute reads, so ``watch_reads`` gives
+the prepared model's parameters a subclass of ``nn.Parameter`` whose ``grad`` property
+looks at the module that reads it:
+- silent for the machinery that reads only owned rows or clears them: this package, the
+  optimizers (``torch.optim``), the loss scaler (``torch.amp``), ``Module.zero_grad``,
+  autograd and DDP internals, and Accelerate's own code;
+- anything else (the user's script, ``torch.nn.utils.clip_grad_norm_``, a logger), once a
+  gradient-sync backward has reduced the gradients and until they are cleared, gets one
+  ``GradientReadWarning`` per process naming its file and line and the fix
+  (``accelerator.full_gradients(model)``, ``accelerator.clip_grad_norm_``).
+Inside ``no_sync``/``accumulate`` before the sync step the gradients are this process's own,
+as under DDP, and nothing is said. ``zero_grad(set_to_none=False)`` zeroes in place without
+clearing the mark: a read in the next accumulation step may warn although it matches DDP.
+The subclass changes nothing else: the same objects, ``isinstance(p, nn.Parameter)``,
+state dicts of plain tensors, a pickled model loads back with plain parameters. Costs one
+Python call per ``.grad`` read, and a frame lookup only while the mark is set.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from dataclasses import dataclass
+from types import FrameType
+
+import torch
+from torch import nn
+
+__all__ = ["GradientReadWarning", "ReadWatch", "WatchedParameter", "watch_reads"]
+
+_GRAD = torch._C.TensorBase.grad  # the getset descriptor every tensor's ``.grad`` goes through
+# Readers whose reads are right at stage 1 (owned rows only, or clearing): module-name prefixes.
+_SILENT = ("zeropp_strategy.", "torch.optim.", "torch.amp.", "torch.cuda.amp.", "torch.nn.modules.",
+           "torch.autograd.", "torch.distributed.", "torch._", "accelerate.")
+
+
+class GradientReadWarning(UserWarning):
+    """User code read a gradient whose value differs from plain DDP's ([Note: stage-1
+    gradient reads])."""
+
+
+_warned = False  # once per process, whichever model
+
+
+@dataclass
+class ReadWatch:
+    """Shared by the parameters of one prepared model: ``armed`` from a gradient-sync
+    backward (the stage-1 reduce sets it) until the gradients are set to ``None``."""
+
+    advice: str
+    armed: bool = False
+
+    def read(self, frame: FrameType) -> None:
+        global _warned
+        if _warned or (frame.f_globals.get("__name__", "") + ".").startswith(_SILENT):
+            return
+        _warned = True
+        user = frame  # the line to name: the first caller outside torch (clip_grad_norm_ reads for its caller)
+        while user.f_back is not None and user.f_globals.get("__name__", "").startswith("torch."):
+            user = user.f_back
+        warnings.warn_explicit(
+            "zeropp stage 1: this p.grad, read after a gradient-sync backward, holds the gradient averaged "
+            "over the processes only in the rows this process owns (the other rows are its own unreduced "
+            f"share), not the whole averaged gradient DDP holds. Fix: {self.advice} (docs/accelerate.md, "
+            "'Gradients: what p.grad holds'). Shown once per process.",
+            GradientReadWarning, user.f_code.co_filename, user.f_lineno, module=user.f_globals.get("__name__"))
+
+
+class WatchedParameter(nn.Parameter):
+    """An ``nn.Parameter`` whose ``grad`` reads are watched ([Note: stage-1 gradient reads])."""
+
+    @property
+    def grad(self) -> torch.Tensor | None:  # type: ignore[override]
+        value = _GRAD.__get__(self)
+        watch = self.__dict__.get("_zeropp_read_watch")
+        if watch is not None and watch.armed and value is not None:
+            watch.read(sys._getframe(1))
+        return value
+
+    @grad.setter
+    def grad(self, value: torch.Tensor | None) -> None:
+        _GRAD.__set__(self, value)
+        watch = self.__dict__.get("_zeropp_read_watch")
+        if watch is not None and value is None:
+            watch.armed = False
+
+    @grad.deleter
+    def grad(self) -> None:
+        _GRAD.__delete__(self)
+
+
+def watch_reads(module: nn.Module, advice: str) -> ReadWatch:
+    """Watch the ``.grad`` reads of ``module``'s parameters (plain ``nn.Parameter`` only: a
+    subclass of the user's own is left alone); returns the watch, which the stage-1 reduce
+    arms. Idempotent per parameter."""
+    watch = ReadWatch(advice)
+    for p in module.parameters():
+        if type(p) is nn.Parameter:
+            p.__class__ = WatchedParameter
+        if type(p) is WatchedParameter:
+            p.__dict__["_zeropp_read_watch"] = watch
+    return watch
