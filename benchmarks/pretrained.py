@@ -369,12 +369,15 @@ def main() -> None:
         finetune_cell(args) if args.mode == "finetune" else run_cell(args)
     elif args.finetune:
         res = finetune(args)
-        res["date"], res["command"] = time.strftime("%Y-%m-%d"), "python benchmarks/pretrained.py " + " ".join(
-            a if not a.startswith("/") else "DIR" for a in sys.argv[1:])
-        FINETUNE_RESULTS.write_text(json.dumps(res, indent=1) + "\n")
+        # the allocator's settings change the resident figures: they are part of the command
+        env = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_"))
+        res["date"], res["command"] = time.strftime("%Y-%m-%d"), (env + " " if env else "") + \
+            "python benchmarks/pretrained.py " + " ".join(a if not a.startswith("/") else "DIR" for a in sys.argv[1:])
         print(json.dumps(res, indent=1))
-        if res["returncode"] != 0 or len(res["ranks"]) != 2:
-            sys.exit("pretrained.py --finetune: the run failed or left ranks without results (see the log above)")
+        if res["returncode"] != 0 or len(res["ranks"]) != 2:  # the last good results stay as they are
+            sys.exit("pretrained.py --finetune: the run failed or left ranks without results (see the log above); "
+                     f"{FINETUNE_RESULTS.name} is left unchanged")
+        FINETUNE_RESULTS.write_text(json.dumps(res, indent=1) + "\n")
     else:
         res = measure(args)
         res["date"], res["command"] = time.strftime("%Y-%m-%d"), "python benchmarks/pretrained.py " + " ".join(sys.argv[1:])

@@ -495,6 +495,10 @@ def _parse_zeropp(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(report, "make_report",
                             lambda run_dir, out: seen.append(run_dir) or {"out": out, "plots": {}, "missing": []})
         assert report.main(rest) == 0 and seen, argv
+    elif sub == "plan":
+        from zeropp_strategy import estimate
+
+        estimate.parser("zeropp plan").parse_args(rest)
 
 
 @covers(("README.md", "zeropp pipeline --output-dir runs/pipeline"),
@@ -798,6 +802,15 @@ def test_write_hf_example_runs(workdir: Path) -> None:
     want = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in want.items())
     assert not list(workdir.glob("export/tiny.*"))  # no .tmp- sibling left
+
+
+@covers(("docs/plan.md", "zeropp plan tiny --nodes 2 --gpus-per-node 2 --link 200Mbit"))
+def test_plan_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    from zeropp_strategy.cli import main
+
+    assert main(["plan", "tiny", "--nodes", "2", "--gpus-per-node", "2", "--link", "200Mbit"]) == 0
+    out = capsys.readouterr().out
+    assert "| zeropp_stage_3 |" in out and out.strip().splitlines()[-1].startswith("recommended: zeropp")
 
 
 @covers(("docs/rlhf.md", 'zeropp chat runs/pipeline/actor --prompt "3+4=" --temperature 0'))

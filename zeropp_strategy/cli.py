@@ -6,6 +6,7 @@
     zeropp pipeline --output-dir runs/pipeline [--config recipes/pipeline.yaml]
     zeropp report runs/demo                             # PNG plots + report.md of a logged run
     zeropp chat runs/pipeline/actor [--prompt "3+4="]   # talk to an exported model folder
+    zeropp plan MODEL --nodes 2 --gpus-per-node 8       # which config fits, and how fast
 
 A subcommand is a function ``argv -> exit code`` plus one line in ``SUBCOMMANDS``; it
 parses its own flags, so the top-level parser only picks the function and forwards the
@@ -61,6 +62,12 @@ def _consolidate(argv: list[str]) -> int:
     return consolidate.main(argv, prog="zeropp consolidate")
 
 
+def _plan(argv: list[str]) -> int:
+    from zeropp_strategy import estimate
+
+    return estimate.main(argv, prog="zeropp plan")
+
+
 def _chat(argv: list[str]) -> int:
     chat_parser("zeropp chat").parse_args(argv)
     from zeropp_strategy import chat
@@ -76,6 +83,8 @@ SUBCOMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "pipeline": (_pipeline, "SFT -> reward model -> PPO (or --rl grpo: SFT -> GRPO), with summary.json: zeropp pipeline --output-dir DIR"),
     "report": (_report, "a run's metrics.csv as PNG plots (loss, bytes, memory, throughput) and report.md"),
     "consolidate": (_consolidate, "sharded checkpoint -> one Lightning file, or a Hugging Face folder (--hf)"),
+    "plan": (_plan, "memory, bytes and step time per config for a model on a cluster, and the one to use: "
+                    "zeropp plan MODEL --nodes N --gpus-per-node G ..."),
     "chat": (_chat, "talk to a Hugging Face model folder (the pipeline's actor): zeropp chat DIR [--prompt TEXT]"),
 }
 

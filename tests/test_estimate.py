@@ -1,0 +1,153 @@
+"""``zeropp plan`` (zeropp_strategy/estimate.py): the formulas against the worked numbers of
+docs/stages.md and docs/zeropp.md, the model's shape against what it is built from (and
+LoRA's count against peft's), the recommendation's logic, and the command's errors.
+
+    pytest tests/test_estimate.py -q
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from zeropp_strategy.estimate import Cluster, ModelShape, Workload, estimate, model_shape, parse_bandwidth, parse_bytes
+
+GB = 1e9
+
+
+def _shape(params: float, *, trainable: float | None = None, root: float = 0, blocks: int = 24) -> ModelShape:
+    p = int(params)
+    return ModelShape(name="synthetic", params=p, trainable=p if trainable is None else int(trainable),
+                      root_params=int(root), largest_block=int((params - root) / blocks), blocks=blocks, hidden=2048,
+                      layers=blocks, vocab=32000)
+
+
+def _rows(shape: ModelShape, **cluster) -> dict:
+    c = Cluster(**{"nodes": 1, "gpus_per_node": 8, "gpu_memory": 80 * 2**30, "host_memory": 512 * 2**30,
+                   "link": 100e9 / 8, "intra_link": 900e9, **cluster})
+    rows, best, why = estimate(shape, c, Workload(micro_batch=1, seq_len=512))
+    return {r.name: r for r in rows} | {"_best": best, "_why": why}
+
+
+def test_model_states_are_the_worked_numbers_of_docs_stages() -> None:
+    # docs/stages.md, "Worked numbers: 1.3B parameters on 8 ranks" (bf16-mixed, fp32 params)
+    rows = _rows(_shape(1.3e9))
+    states = {name: sum(rows[name].gpu.get(k, 0) for k in ("parameters", "gradients", "optimizer")) / GB
+              for name in ("ddp", "zeropp_stage_1", "zeropp_stage_2", "zeropp_stage_3")}
+    assert states["ddp"] == pytest.approx(20.8)
+    assert states["zeropp_stage_1"] == pytest.approx(11.7)
+    assert states["zeropp_stage_2"] == pytest.approx(2.6)
+    assert states["zeropp_stage_3"] == pytest.approx(2.6)
+    assert rows["zeropp_stage_2"].gpu["gathered"] / GB == pytest.approx(2.6)  # 2P of bf16 gathers in the step
+
+
+def test_cross_node_bytes_are_what_the_ledger_measured() -> None:
+    """benchmarks/results/volume_bf16.json: the ledger of the simulated 2x2 cluster (GPT-2
+    small, bf16-mixed), summed over the 4 ranks, against the estimate for the same model."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from zeropp_strategy.engine.wrap import select_blocks
+
+    measured = json.loads((Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "volume_bf16.json")
+                          .read_text())
+    config = GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=512, n_positions=128)  # bench_train SIZES
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(config)
+    P = sum(p.numel() for p in model.parameters())
+    blocks = select_blocks(model, wrap_modules=(), wrap_min_params=1_000_000)
+    in_blocks = [sum(p.numel() for p in b.parameters()) for b in blocks]
+    shape = ModelShape(name="gpt2-small", params=P, trainable=P, root_params=P - sum(in_blocks),
+                       largest_block=max(in_blocks), blocks=len(blocks), hidden=256, layers=4, vocab=512)
+    rows = _rows(shape, nodes=2, gpus_per_node=2)
+    for name in ("zeropp_stage_1", "zeropp_stage_2", "zeropp_stage_3", "zeropp"):
+        ledger = measured[f"200mbit/{name}"]["ledger_inter_bytes_per_step"]
+        assert rows[name].inter_bytes * 4 == pytest.approx(ledger, rel=0.01), name  # FSDP2's padding: < 1%
+
+
+def test_cross_node_units_are_those_of_docs_zeropp() -> None:
+    # docs/zeropp.md, "All together": per rank, in units of P (M-1)/N, bf16-mixed, P_root neglected
+    P = 1e9
+    rows = _rows(_shape(P), nodes=2, gpus_per_node=2)
+    unit = P * (2 - 1) / 4
+    assert rows["zeropp_stage_3"].inter_bytes / unit == pytest.approx(8)  # 2 + 2 + 4
+    assert rows["zeropp"].inter_bytes / unit == pytest.approx(1 + 4 / 256 + 0.5625)  # qwZ + hpZ (0) + qgZ
+    # docs/stages.md: DDP sends 2 r P (N-1)/N per rank, stage 1 (r + a) P (N-1)/N
+    assert rows["ddp"].inter_bytes + rows["ddp"].intra_bytes == pytest.approx(2 * 4 * P * 3 / 4)
+    assert rows["zeropp_stage_1"].inter_bytes / unit == pytest.approx(8)
+
+
+def test_an_8b_model_fits_only_sharded_and_a_slow_link_recommends_zeropp() -> None:
+    big = _shape(8.03e9, root=1.05e9, blocks=32)
+    rows = _rows(big)
+    assert not rows["ddp"].fits and "GPU" in rows["ddp"].why_not and "80 GiB" in rows["ddp"].why_not
+    assert rows["zeropp_stage_3"].fits and rows["_best"] is not None and rows["_best"].fits
+    slow = _rows(big, nodes=4, link=1e9 / 8)  # 4 nodes on 1 Gbit/s
+    assert slow["_best"].name.startswith("zeropp") and "stage" not in slow["_best"].name, slow["_why"]
+    assert slow["zeropp"].inter_bytes < 0.25 * slow["zeropp_stage_3"].inter_bytes  # 0.197x with P_root neglected
+
+
+def test_nothing_fits_says_so_with_the_fix() -> None:
+    rows = _rows(_shape(400e9), gpus_per_node=1, gpu_memory=24 * 2**30, host_memory=64 * 2**30)
+    assert rows["_best"] is None and "nothing fits" in rows["_why"] and "Fix:" in rows["_why"]
+
+
+def test_the_shape_is_the_built_model_and_lora_counts_as_peft_does(tmp_path) -> None:
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=300, tie_word_embeddings=False)
+    config.save_pretrained(tmp_path)
+    model = LlamaForCausalLM(config)
+    shape = model_shape(str(tmp_path))
+    assert shape.params == shape.trainable == sum(p.numel() for p in model.parameters())
+    assert shape.blocks == 3 and shape.root_params == 2 * 300 * 64 + 64  # embeddings, head, final norm
+    lora = model_shape(str(tmp_path / "config.json"), lora=8)
+    peft = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                                  "up_proj", "down_proj"]))
+    trainable = sum(p.numel() for p in peft.parameters() if p.requires_grad)
+    assert lora.trainable == trainable and lora.params == sum(p.numel() for p in peft.parameters())
+    assert torch.empty(0).device.type == "cpu"  # the meta build left the default device alone
+
+
+@pytest.mark.parametrize(("text", "want"), [("80GB", 80e9), ("80GiB", 80 * 2**30), ("512G", 512e9), ("1.5TB", 1.5e12)])
+def test_sizes(text: str, want: float) -> None:
+    assert parse_bytes(text, "--gpu-memory") == int(want)
+
+
+@pytest.mark.parametrize(("text", "want"), [("100Gbit", 12.5e9), ("100Gbps", 12.5e9), ("100G", 12.5e9),
+                                            ("900GB/s", 900e9), ("200Mbit", 25e6)])
+def test_bandwidths(text: str, want: float) -> None:
+    assert parse_bandwidth(text, "--link") == pytest.approx(want)
+
+
+def test_the_command_prints_the_table_and_json(capsys) -> None:
+    from zeropp_strategy.cli import main
+
+    assert main(["plan", "tiny", "--nodes", "2", "--gpus-per-node", "2", "--link", "200Mbit"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("zeropp plan: the embedded tiny Llama") and "| zeropp_stage_3 |" in out
+    assert "recommended: " in out.splitlines()[-1]
+    assert main(["plan", "tiny", "--gpus-per-node", "2", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["recommended"] in {c["name"] for c in data["configs"]}
+    assert {"parameters", "activations", "runtime"} <= set(data["configs"][0]["gpu"])
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["tiny", "--gpu-memory", "80XB"], "error: --gpu-memory='80XB' is not a size. Fix: e.g. --gpu-memory 80GB"),
+    (["tiny", "--link", "fast"], "error: --link='fast' is not a bandwidth. Fix: e.g. --link 100Gbit"),
+    (["no/such/folder"], "error: MODEL='no/such/folder' has no config.json. Fix: a Hugging Face folder"),
+    (["tiny", "--nodes", "0"], "error: --nodes=0 is invalid. Fix: use 1 or more"),
+    (["tiny", "--mfu", "2"], "error: --mfu=2.0 is invalid. Fix: use a fraction in (0, 1]"),
+])
+def test_bad_input_is_one_line_naming_the_field(argv, message, capsys) -> None:
+    from zeropp_strategy.cli import main
+
+    assert main(["plan", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and len(err.strip().splitlines()) == 1, err
