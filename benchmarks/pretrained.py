@@ -12,7 +12,9 @@ the index), random N(0, 0.02) bf16 weights, one file's tensors in memory at a ti
 ``AutoModelForCausalLM.from_pretrained(folder, dtype=bf16)``: the reference time), ``old``
 (2 ranks under the Trainer, ``ZeroPPStrategy(stage=3, meta_init=False)``, every rank calling
 transformers' ``from_pretrained`` in ``configure_model``) and ``new`` (2 ranks, the default
-stage 3, ``zeropp_strategy.from_pretrained`` in ``configure_model``). Per rank: seconds
+stage 3, ``zeropp_strategy.from_pretrained`` in ``configure_model``); with ``--modes
+stage1``, ``stage1`` (2 ranks, ``ZeroPPStrategy(stage=1)``, the same call: every rank holds
+the whole model, as DDP does). Per rank: seconds
 from the Trainer's start to the first training batch (load and shard), peak RSS (``VmHWM``
 and a 20 ms sampler, with its anonymous part: mapped file pages are page cache), against
 the shard plus the largest tensor. ``--dtype fp32`` (the default): ``bf16-mixed`` as users
@@ -100,7 +102,7 @@ def write_folder(folder: Path, size: str) -> None:
 
 
 def run_cell(args: argparse.Namespace) -> None:
-    """One rank of ``old``/``new``, or the ``plain`` process."""
+    """One rank of ``old``/``new``/``stage1``, or the ``plain`` process."""
     import torch
 
     DTYPES.update(fp32=torch.float32, bf16=torch.bfloat16)
@@ -147,7 +149,8 @@ def run_cell(args: argparse.Namespace) -> None:
             def train_dataloader(self):
                 return torch.utils.data.DataLoader(torch.zeros(2, 8, dtype=torch.long), batch_size=1)
 
-        strategy = ZeroPPStrategy(stage=3, meta_init=args.mode == "new", wrap_modules=["LlamaDecoderLayer"])
+        strategy = ZeroPPStrategy(stage=1) if args.mode == "stage1" else ZeroPPStrategy(
+            stage=3, meta_init=args.mode == "new", wrap_modules=["LlamaDecoderLayer"])
         precision = "bf16-true" if args.dtype == "bf16" else "bf16-mixed"
         trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision=precision, max_epochs=1,
                             limit_train_batches=1,
@@ -380,7 +383,8 @@ def main() -> None:
         FINETUNE_RESULTS.write_text(json.dumps(res, indent=1) + "\n")
     else:
         res = measure(args)
-        res["date"], res["command"] = time.strftime("%Y-%m-%d"), "python benchmarks/pretrained.py " + " ".join(sys.argv[1:])
+        res["date"], res["command"] = time.strftime("%Y-%m-%d"), "python benchmarks/pretrained.py " + " ".join(
+            "DIR/" + Path(a).name if a.startswith("/") else a for a in sys.argv[1:])  # no machine's paths
         res["dtype"] = args.dtype
         runs = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
         runs[f"{Path(args.load).name}-{args.dtype}"] = res
