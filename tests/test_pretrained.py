@@ -165,7 +165,9 @@ def test_under_the_trainer_every_stage_loads_what_from_pretrained_gives(tmp_path
     per_rank = run_ranks(_fit_worker, 2, (str(folder), stages), timeout_s=240)
     for rank, out in enumerate(per_rank):
         for stage in stages:
-            assert out[stage]["on_meta"] == (stage != "zeropp_stage_1"), (rank, stage)
+            # stage 1: rank 0 reads, the others build on meta and get its values from DDP's
+            # broadcast ([Note: stage-1 load on rank 0]); the values below are the files' on every rank
+            assert out[stage]["on_meta"] == (stage != "zeropp_stage_1" or rank != 0), (rank, stage)
             got = out[stage]["state"]
             assert set(want) <= set(got), (stage, sorted(set(want) - set(got))[:3])
             for k, v in want.items():

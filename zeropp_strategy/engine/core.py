@@ -39,8 +39,11 @@ from zeropp_strategy.config import ZeroConfig
 from zeropp_strategy.engine.local_step import LocalStepOptimizer, steps_locally
 from zeropp_strategy.engine.remap import remap_optimizer
 from zeropp_strategy.engine.memory_plan import MemoryPlan, check_memory_plan
-from zeropp_strategy.engine.fsdp import ShardedRoot, fsdp_modules, materialize, replicated_params, shard_module
+from zeropp_strategy.engine.fsdp import (
+    ShardedRoot, fsdp_modules, materialize, replicated_params, shard_module, to_empty_keeping_ties,
+)
 from zeropp_strategy.engine.grad_reads import watch_reads
+from zeropp_strategy.engine.meta_init import RANK0_VALUES_ATTR
 from zeropp_strategy.engine.guards import (  # noqa: F401 - NONFINITE_POLICIES ... re-exported from their old home
     NONFINITE_POLICIES,
     agree,
@@ -366,7 +369,12 @@ class ZeroEngine:
     def prepare_stage1(self, module: nn.Module, *, checkpoint: bool = False) -> nn.Module:
         """Stage 1 before DDP: meta tensors materialized, precision applied, on the device;
         with ``checkpoint``, activation checkpointing on the selected blocks when the
-        config asks for it."""
+        config asks for it. A model read on rank 0 only ([Note: stage-1 load on rank 0] in
+        engine/meta_init.py) is allocated empty here: the broadcast of rank 0's values that
+        follows (DDP's construction, or ``broadcast_module``) fills it."""
+        for m in module.modules():
+            if getattr(m, RANK0_VALUES_ATTR, False):
+                to_empty_keeping_ties(m.modules(), self.device)
         materialize(module, self.device)
         module = self.precision.convert_module(module)
         module.to(self.device)

@@ -399,12 +399,12 @@ def _materialize_meta_modules(root: nn.Module, device: torch.device, hf_init: di
     allocation (``reset_sharded_param``, what its own ``_apply`` does), before the values are
     drawn into the shards."""
     todo = [m for m in root.modules() if _owns_meta(m)]
-    _to_empty_keeping_ties(todo, device)
+    to_empty_keeping_ties(todo, device)
     _reset_sharded_params(fsdp_modules(root))
     _initialize(todo, hf_init, missing, loads)
 
 
-def _to_empty_keeping_ties(modules: Iterable[nn.Module], device: torch.device,
+def to_empty_keeping_ties(modules: Iterable[nn.Module], device: torch.device,
                            replaced: dict[int, nn.Parameter] | None = None) -> None:
     """``to_empty(recurse=False)`` of each module, allocating a parameter shared by several
     (tied weights: ``lm_head`` and the embedding) once: ``to_empty`` of each would give each
@@ -506,7 +506,7 @@ def _materialize_streaming(root: nn.Module, device: torch.device, store: Any,
     for m in root.modules():
         group_root = owner.get(id(m))
         if group_root is None:  # outside every fully_shard module: nothing of it is offloaded
-            _to_empty_keeping_ties([m], device, replaced)
+            to_empty_keeping_ties([m], device, replaced)
             _initialize([m], hf_init, missing, loads)
             continue
         if id(group_root) not in ready:
@@ -518,7 +518,7 @@ def _materialize_streaming(root: nn.Module, device: torch.device, store: Any,
                     f"{type(group_root).__name__} mixes real tensors ({', '.join(sorted(set(real)))}) with meta ones. "
                     "Fix: build the whole model on the meta device (ZeroConfig.meta_init=True, the default, with "
                     "nothing loaded for real), or all of it for real (meta_init=False)")
-            _to_empty_keeping_ties(_own_modules(group_root), device, replaced)
+            to_empty_keeping_ties(_own_modules(group_root), device, replaced)
             _reset_sharded_params([group_root])
         _initialize([m], hf_init, missing, loads)
         left[id(group_root)] -= 1

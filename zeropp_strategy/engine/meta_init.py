@@ -29,6 +29,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextvars import ContextVar
 
 import torch
 from torch import nn
@@ -109,7 +110,49 @@ def build_context(config: ZeroConfig, empty_init: bool | None) -> AbstractContex
     """Where a front-end builds the user's model (Lightning's ``configure_model`` and
     ``init_module``, Fabric's ``init_module``): ``meta_build()`` at stages 2/3 unless
     ``empty_init=False`` or ``config.meta_init`` is False; at stage 1, which keeps full
-    parameters on every rank, a real build whatever ``empty_init`` says."""
+    parameters on every rank, a real build whatever ``empty_init`` says, where a published
+    model is read by rank 0 only (``rank0_values``; not with ``empty_init=False``)."""
     if config.stage in (2, 3) and config.meta_init and empty_init is not False:
         return meta_build()
+    if config.stage == 1 and empty_init is not False:
+        return rank0_values()
     return nullcontext()
+
+
+# [Note: stage-1 load on rank 0]
+# At stage 1 every rank holds the whole model, and the front-end gives every rank rank 0's
+# values before training: DDP's construction broadcasts rank 0's parameters and buffers,
+# and a module with nothing to train gets ``broadcast_module``. A published folder read on
+# every rank is therefore read and converted (bf16 files to fp32 parameters, say) N - 1
+# times in vain. Inside ``rank0_values`` (the stage-1 build), ``from_pretrained`` on the
+# other ranks builds the model's skeleton on the meta device (checked against the folder,
+# so bad input fails there too) and marks it; ``prepare_stage1`` allocates the marked
+# modules' tensors empty, and the broadcast that follows fills them. Nothing else changes:
+# a model read before the front-end prepares it is real on rank 0 and meta (it fails
+# loudly) elsewhere, never garbage. ``real_values()`` switches it off for code that must
+# compute with the model inside the build (DPO's ``precompute_reference``).
+_RANK0_VALUES: ContextVar[bool] = ContextVar("zeropp_rank0_values", default=False)
+RANK0_VALUES_ATTR = "_zeropp_values_from_rank0"
+
+
+@contextmanager
+def rank0_values(enabled: bool = True) -> Iterator[None]:
+    """While active, ``from_pretrained`` reads the folder on rank 0 only ([Note: stage-1 load on rank 0])."""
+    token = _RANK0_VALUES.set(enabled)
+    try:
+        yield
+    finally:
+        _RANK0_VALUES.reset(token)
+
+
+def real_values() -> AbstractContextManager:
+    """Every rank reads its own values, also inside a stage-1 build."""
+    return rank0_values(False)
+
+
+def values_come_from_rank0() -> bool:
+    """True on a rank other than 0 of a distributed job inside ``rank0_values``."""
+    import torch.distributed as dist
+
+    return (_RANK0_VALUES.get() and dist.is_available() and dist.is_initialized()
+            and dist.get_world_size() > 1 and dist.get_rank() != 0)

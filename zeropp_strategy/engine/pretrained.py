@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zeropp_strategy.engine.meta_init import has_meta
+from zeropp_strategy.engine.meta_init import RANK0_VALUES_ATTR, has_meta, values_come_from_rank0
 from zeropp_strategy.errors import MissingPathError, UsageError
 
 __all__ = ["Loads", "PretrainedFolder", "copy_on_materialize", "fill_from_file", "from_pretrained", "tied_aliases"]
@@ -186,14 +186,23 @@ def from_pretrained(path: str | Path, *, auto_class: Any = None, dtype: torch.dt
     load]); elsewhere: ``auto_class.from_pretrained(path, dtype=dtype)``. ``auto_class``:
     default ``transformers.AutoModelForCausalLM`` (``transformers.AutoModel`` reads the body
     of a causal LM's folder without its head); ``dtype``: default the folder's
-    (``config.json``), as transformers does; ``config_kwargs`` go to ``AutoConfig``."""
+    (``config.json``), as transformers does; ``config_kwargs`` go to ``AutoConfig``. At
+    stage 1 only rank 0 reads the folder ([Note: stage-1 load on rank 0] in
+    engine/meta_init.py)."""
     import transformers
 
     auto_class = auto_class or transformers.AutoModelForCausalLM
     dtype_kw = {"dtype": dtype} if dtype is not None else {}
-    if not torch.empty(0).is_meta:
+    if not torch.empty(0).is_meta and not values_come_from_rank0():
         return auto_class.from_pretrained(str(path), **dtype_kw, **config_kwargs)
     folder = PretrainedFolder(path)
+    if not torch.empty(0).is_meta:  # stage 1, not rank 0: [Note: stage-1 load on rank 0]
+        config = transformers.AutoConfig.from_pretrained(str(path), **config_kwargs)
+        with torch.device("meta"):
+            model = auto_class.from_config(config, **dtype_kw)
+        folder.check(model)  # bad input fails here as on rank 0
+        setattr(model, RANK0_VALUES_ATTR, True)
+        return model
     config = transformers.AutoConfig.from_pretrained(str(path), **config_kwargs)
     model = auto_class.from_config(config, **dtype_kw)
     _register(model, folder, folder.check(model))
