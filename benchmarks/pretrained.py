@@ -13,8 +13,10 @@ the index), random N(0, 0.02) bf16 weights, one file's tensors in memory at a ti
 (2 ranks under the Trainer, ``ZeroPPStrategy(stage=3, meta_init=False)``, every rank calling
 transformers' ``from_pretrained`` in ``configure_model``) and ``new`` (2 ranks, the default
 stage 3, ``zeropp_strategy.from_pretrained`` in ``configure_model``); with ``--modes
-stage1``, ``stage1`` (2 ranks, ``ZeroPPStrategy(stage=1)``, the same call: every rank holds
-the whole model, as DDP does). Per rank: seconds
+stage1,stage1_rank0``, ``stage1`` (2 ranks, ``ZeroPPStrategy(stage=1)``, the same call in
+``configure_model``: every rank reads and holds the whole model, as under DDP) and
+``stage1_rank0`` (the model built under ``trainer.init_module(empty_init=True)``: rank 0
+reads, the others get its values with DDP's broadcast). Per rank: seconds
 from the Trainer's start to the first training batch (load and shard), peak RSS (``VmHWM``
 and a 20 ms sampler, with its anonymous part: mapped file pages are page cache), against
 the shard plus the largest tensor. ``--dtype fp32`` (the default): ``bf16-mixed`` as users
@@ -102,7 +104,7 @@ def write_folder(folder: Path, size: str) -> None:
 
 
 def run_cell(args: argparse.Namespace) -> None:
-    """One rank of ``old``/``new``/``stage1``, or the ``plain`` process."""
+    """One rank of ``old``/``new``/``stage1``/``stage1_rank0``, or the ``plain`` process."""
     import torch
 
     DTYPES.update(fp32=torch.float32, bf16=torch.bfloat16)
@@ -149,14 +151,18 @@ def run_cell(args: argparse.Namespace) -> None:
             def train_dataloader(self):
                 return torch.utils.data.DataLoader(torch.zeros(2, 8, dtype=torch.long), batch_size=1)
 
-        strategy = ZeroPPStrategy(stage=1) if args.mode == "stage1" else ZeroPPStrategy(
+        strategy = ZeroPPStrategy(stage=1) if args.mode.startswith("stage1") else ZeroPPStrategy(
             stage=3, meta_init=args.mode == "new", wrap_modules=["LlamaDecoderLayer"])
         precision = "bf16-true" if args.dtype == "bf16" else "bf16-mixed"
         trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision=precision, max_epochs=1,
                             limit_train_batches=1,
                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
                             enable_model_summary=False)
-        trainer.fit(Module())
+        module = Module()
+        if args.mode == "stage1_rank0":  # init_module(empty_init=True): rank 0 reads, DDP broadcasts
+            with trainer.init_module(empty_init=True):
+                module.model = zeropp_strategy.from_pretrained(args.load, dtype=DTYPES[args.dtype])
+        trainer.fit(module)
         out["rank"] = trainer.global_rank
     peak.stop.set()
     last = peak.sample()
@@ -387,13 +393,18 @@ def main() -> None:
             "DIR/" + Path(a).name if a.startswith("/") else a for a in sys.argv[1:])  # no machine's paths
         res["dtype"] = args.dtype
         runs = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-        runs[f"{Path(args.load).name}-{args.dtype}"] = res
-        RESULTS.write_text(json.dumps(runs, indent=1) + "\n")
         print(table(res))
         bad = [c["mode"] for c in res["cells"]
                if c["returncode"] != 0 or len(c["ranks"]) != (1 if c["mode"] == "plain" else 2)]
-        if bad:  # a cell that died leaves no figure: the table is partial, and says nothing of it
-            sys.exit(f"pretrained.py: cells {', '.join(bad)} failed or left ranks without results (see the log above)")
+        if bad:  # a cell that died leaves no figure: the table is partial; the saved results stay
+            sys.exit(f"pretrained.py: cells {', '.join(bad)} failed or left ranks without results (see the log "
+                     f"above); {RESULTS.name} is left unchanged")
+        key = f"{Path(args.load).name}-{args.dtype}"
+        if key in runs:  # other modes of the same folder measured before are kept beside these
+            cells = {c["mode"]: c for c in runs[key].get("cells", [])} | {c["mode"]: c for c in res["cells"]}
+            res["cells"] = list(cells.values())
+        runs[key] = res
+        RESULTS.write_text(json.dumps(runs, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -337,7 +337,7 @@ def _grads_worker(rank, world):
 
     from tests._models import Net, dataset
     from zeropp_strategy.accelerate import ZeroPPAccelerator
-    from zeropp_strategy.engine.grad_reads import GradientReadWarning
+    from zeropp_strategy.engine.grad_reads import GradientReadWarning, WatchedParameter
 
     out = {}
     for stage in (None, 1, 2, 3):
@@ -364,6 +364,7 @@ def _grads_worker(rank, world):
                                                                                     atol=1e-7) for n, g in raw.items())
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)  # another read: warned once only
         if stage is not None:
+            out[f"watched{stage}"] = any(isinstance(p, WatchedParameter) for p in model.parameters())
             reads = [w for w in seen if issubclass(w.category, GradientReadWarning)]
             out[f"warned{stage}"] = {"before_user_read": sum(seen.index(w) < before for w in reads),
                                      "lines": [(Path(w.filename).name, w.lineno, str(w.message)) for w in reads]}
@@ -392,4 +393,4 @@ def test_full_gradients_are_what_plain_accelerate_leaves_in_grad():
         name, _, message = lines[0]
         assert name == "test_accelerate.py" and "only in the rows this process owns" in message, lines
         assert "accelerator.full_gradients(model)" in message, message
-        assert not out["warned2"]["lines"] and not out["warned3"]["lines"]  # DTensor shards: no watch
+        assert out["watched1"] and not out["watched2"] and not out["watched3"]  # DTensor shards: no watch

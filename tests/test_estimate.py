@@ -112,6 +112,12 @@ def test_the_shape_is_the_built_model_and_lora_counts_as_peft_does(tmp_path) -> 
     trainable = sum(p.numel() for p in peft.parameters() if p.requires_grad)
     assert lora.trainable == trainable and lora.params == sum(p.numel() for p in peft.parameters())
     assert torch.empty(0).device.type == "cpu"  # the meta build left the default device alone
+    # GPT-2's blocks hold Conv1D, not nn.Linear: counted too (weight in x out)
+    from transformers import GPT2Config
+
+    GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16).save_pretrained(tmp_path / "gpt2")
+    gpt2 = model_shape(str(tmp_path / "gpt2"), lora=4)
+    assert gpt2.trainable == 2 * 4 * ((32 + 96) + (32 + 32) + (32 + 128) + (128 + 32))  # c_attn, c_proj, c_fc, mlp.c_proj
 
 
 @pytest.mark.parametrize(("text", "want"), [("80GB", 80e9), ("80GiB", 80 * 2**30), ("512G", 512e9), ("1.5TB", 1.5e12)])
@@ -120,7 +126,7 @@ def test_sizes(text: str, want: float) -> None:
 
 
 @pytest.mark.parametrize(("text", "want"), [("100Gbit", 12.5e9), ("100Gbps", 12.5e9), ("100G", 12.5e9),
-                                            ("900GB/s", 900e9), ("200Mbit", 25e6)])
+                                            ("900GB/s", 900e9), ("900GBps", 900e9), ("200Mbit", 25e6)])
 def test_bandwidths(text: str, want: float) -> None:
     assert parse_bandwidth(text, "--link") == pytest.approx(want)
 
@@ -144,6 +150,9 @@ def test_the_command_prints_the_table_and_json(capsys) -> None:
     (["no/such/folder"], "error: MODEL='no/such/folder' has no config.json. Fix: a Hugging Face folder"),
     (["tiny", "--nodes", "0"], "error: --nodes=0 is invalid. Fix: use 1 or more"),
     (["tiny", "--mfu", "2"], "error: --mfu=2.0 is invalid. Fix: use a fraction in (0, 1]"),
+    (["tiny", "--link", "0"], "error: --link='0' is not a bandwidth above 0. Fix: e.g. --link 100Gbit"),
+    (["tiny", "--tflops", "0"], "error: --tflops=0.0 is invalid. Fix: use the GPU's dense bf16 TFLOP/s"),
+    (["torch.nn:ReLU"], "error: MODEL='torch.nn:ReLU' has no parameters. Fix: name the model to train"),
 ])
 def test_bad_input_is_one_line_naming_the_field(argv, message, capsys) -> None:
     from zeropp_strategy.cli import main

@@ -165,13 +165,77 @@ def test_under_the_trainer_every_stage_loads_what_from_pretrained_gives(tmp_path
     per_rank = run_ranks(_fit_worker, 2, (str(folder), stages), timeout_s=240)
     for rank, out in enumerate(per_rank):
         for stage in stages:
-            # stage 1: rank 0 reads, the others build on meta and get its values from DDP's
-            # broadcast ([Note: stage-1 load on rank 0]); the values below are the files' on every rank
-            assert out[stage]["on_meta"] == (stage != "zeropp_stage_1" or rank != 0), (rank, stage)
+            assert out[stage]["on_meta"] == (stage != "zeropp_stage_1"), (rank, stage)
             got = out[stage]["state"]
             assert set(want) <= set(got), (stage, sorted(set(want) - set(got))[:3])
             for k, v in want.items():
                 assert torch.equal(got[k], v), (rank, stage, k)
+
+
+def _rank0_worker(rank: int, world: int, folder: str) -> dict:
+    import lightning.pytorch as L
+    from lightning.fabric import Fabric
+
+    import zeropp_strategy
+    from tests._models import trainer_kwargs
+
+    out = {}
+    # Lightning: init_module(empty_init=True) at stage 1; the values come with DDP's broadcast
+    trainer = L.Trainer(strategy=zeropp_strategy.ZeroPPStrategy(stage=1), **trainer_kwargs(world, max_steps=1))
+    with trainer.init_module(empty_init=True):
+        model = from_pretrained(folder)  # the folder's bf16, as transformers 5 keeps it
+    out["lightning_built"] = {"meta": all(p.is_meta for p in model.parameters()), "training": model.training,
+                              "dtype": str(next(model.parameters()).dtype)}
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def training_step(self, batch, batch_idx):
+            return self.model(input_ids=batch[0]).logits.float().mean() * 0.0
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(2, 4, dtype=torch.long)),
+                                               batch_size=1)
+
+    trainer.fit(Module())
+    out["lightning"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    out["lightning_tied"] = model.lm_head.weight is model.model.embed_tokens.weight
+    # Fabric: the body only (get_decoder(), as RewardModule takes it), in fp32 from the bf16 files
+    fabric = Fabric(strategy="zeropp_stage_1", accelerator="cpu", devices=world)
+    fabric.launch()
+    with fabric.init_module(empty_init=True):
+        body = from_pretrained(folder, dtype=torch.float32).get_decoder()
+    out["fabric_built_meta"] = all(p.is_meta for p in body.parameters())
+    body = fabric.setup(body)
+    out["fabric"] = {k: v.detach().clone() for k, v in body.module.state_dict().items()}
+    return out
+
+
+def test_stage_1_with_empty_init_reads_on_rank_0_only_and_every_rank_ends_with_the_files(tmp_path: Path) -> None:
+    """[Note: stage-1 load on rank 0]: with init_module(empty_init=True) the other ranks build
+    on the meta device (they read nothing), as rank 0's model would be (eval mode, dtype),
+    and after the set-up hold the files' values, tied weights tied."""
+    folder = _save(tmp_path / "m", tied=True, shard="40KB")
+    from transformers import AutoModelForCausalLM
+
+    bf16 = {k: v.detach().clone() for k, v in AutoModelForCausalLM.from_pretrained(folder).state_dict().items()}
+    fp32 = _reference(folder)
+    zero, one = run_ranks(_rank0_worker, 2, (str(folder),), timeout_s=240)
+    assert not zero["lightning_built"]["meta"] and one["lightning_built"]["meta"] and one["fabric_built_meta"]
+    assert zero["lightning_built"]["training"] == one["lightning_built"]["training"] is False
+    assert zero["lightning_built"]["dtype"] == one["lightning_built"]["dtype"] == "torch.bfloat16"
+    for out in (zero, one):
+        assert out["lightning_tied"]
+        assert out["lightning"].keys() == bf16.keys()
+        for k, v in bf16.items():
+            assert out["lightning"][k].dtype == v.dtype and torch.equal(out["lightning"][k], v), k
+        for k, v in out["fabric"].items():
+            assert v.dtype == torch.float32 and torch.equal(v, fp32["model." + k]), k
 
 
 def test_int4_on_load_equals_quantizing_the_dense_load(tmp_path: Path) -> None:

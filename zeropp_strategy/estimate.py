@@ -77,21 +77,26 @@ _UNIT = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
 def parse_bytes(text: str, field_name: str) -> int:
     """``80GB``, ``80GiB``, ``512G``, ``1.5TB`` -> bytes (GB decimal, GiB binary)."""
     m = _SIZE.match(str(text))
-    if not m or (m.group(4) or "").lower() == "bit":
+    if not m or (m.group(4) or "").lower() == "bit" or m.group(4) == "b":
         raise ValueError(f"{field_name}={text!r} is not a size. Fix: e.g. {field_name} 80GB (or 80GiB, 512G).")
     base = 1024 if m.group(3) else 1000
-    return int(float(m.group(1)) * base ** _UNIT[m.group(2).lower()])
+    size = int(float(m.group(1)) * base ** _UNIT[m.group(2).lower()])
+    if size <= 0:
+        raise ValueError(f"{field_name}={text!r} is not a size above 0. Fix: e.g. {field_name} 80GB.")
+    return size
 
 
 def parse_bandwidth(text: str, field_name: str) -> float:
     """Bits: ``100Gbit``, ``100Gbps``, ``100Gb``, or a bare ``100G`` (the network's unit);
-    bytes: ``900GB/s``, ``900GB``. Returns bytes per second."""
+    bytes (a capital ``B``): ``900GB/s``, ``900GBps``, ``900GB``. Returns bytes per second."""
     m = _RATE.match(str(text))
     if not m:
         raise ValueError(f"{field_name}={text!r} is not a bandwidth. Fix: e.g. {field_name} 100Gbit or 900GB/s.")
     unit = m.group(4) or ""
     value = float(m.group(1)) * (1024 if m.group(3) else 1000) ** _UNIT[m.group(2).lower()]
-    return value if unit == "B" else value / 8
+    if value <= 0:
+        raise ValueError(f"{field_name}={text!r} is not a bandwidth above 0. Fix: e.g. {field_name} 100Gbit.")
+    return value if unit.startswith("B") and unit.lower() != "bit" else value / 8
 
 
 @dataclass(frozen=True)
@@ -207,11 +212,16 @@ def model_shape(spec: str, *, lora: int = 0) -> ModelShape:
 
     model, name = _meta_model(spec)
     params = sum(p.numel() for p in model.parameters())
+    if params == 0:
+        raise ValueError(f"MODEL={spec!r} has no parameters. Fix: name the model to train.")
     blocks = select_blocks(model, wrap_modules=(), wrap_min_params=1_000_000)
     in_blocks = [sum(p.numel() for p in b.parameters()) for b in blocks]
-    if lora:
-        trainable = sum(lora * (m.in_features + m.out_features) for b in blocks for m in b.modules()
-                        if isinstance(m, nn.Linear))
+    if lora:  # on every linear layer of the blocks: nn.Linear, and GPT-2's Conv1D (weight: in x out)
+        trainable = sum(lora * sum(m.weight.shape) for b in blocks for m in b.modules()
+                        if isinstance(m, nn.Linear) or (type(m).__name__ == "Conv1D" and m.weight.dim() == 2))
+        if not trainable:
+            raise ValueError(f"--lora={lora} found no linear layer in the blocks of MODEL={spec!r}. Fix: --lora 0 "
+                             "(full training), or a model whose blocks hold nn.Linear layers.")
         params += trainable
     else:
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -422,7 +432,7 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
                    "default), or module:Class (built with no arguments, on the meta device)")
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--gpu-memory", default="80GB", help="per GPU, e.g. 80GB or 141GB")
+    p.add_argument("--gpu-memory", default="80GiB", help="per GPU, e.g. 80GiB (an H100 80GB) or 141GB")
     p.add_argument("--host-memory", default="512GB", help="per node")
     p.add_argument("--link", default="100Gbit", help="cross-node bandwidth per node, e.g. 100Gbit or 400Gbit")
     p.add_argument("--intra-link", default="900GB/s", help="per GPU inside a node (NVLink), e.g. 900GB/s")
@@ -447,6 +457,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             raise UsageError(f"--{name.replace('_', '-')}={getattr(args, name)} is invalid", "use 1 or more")
     if not 0 < args.mfu <= 1:
         raise UsageError(f"--mfu={args.mfu} is invalid", "use a fraction in (0, 1], e.g. 0.4")
+    if not args.tflops > 0:
+        raise UsageError(f"--tflops={args.tflops} is invalid", "use the GPU's dense bf16 TFLOP/s, e.g. 989")
+    if args.lora < 0:
+        raise UsageError(f"--lora={args.lora} is invalid", "use 0 (full training) or a LoRA rank, e.g. 16")
     try:
         cluster = Cluster(nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                           gpu_memory=parse_bytes(args.gpu_memory, "--gpu-memory"),

@@ -204,8 +204,11 @@ def _write_hf(src: ShardedCheckpoint | FullCheckpoint, out: Path, dtype: torch.d
 
 def weights_dtype(value: torch.dtype | str | None, field: str = "dtype") -> torch.dtype | None:
     """A floating dtype for weights from a torch dtype or a name (``bf16``/``bfloat16``,
-    ``fp16``/``float16``/``half``, ``fp32``/``float32``/``float``); ``None`` stays ``None``.
-    Anything else raises one line naming ``field``, the value and the fix."""
+    ``fp16``/``float16``/``half``, ``fp32``/``float32``/``float``); ``None`` and ``"auto"``
+    (TRL's and transformers' word for the checkpoint's own) give ``None``. Anything else
+    raises one line naming ``field``, the value and the fix."""
+    if isinstance(value, str) and value.lower() == "auto":
+        return None
     if value is None or isinstance(value, torch.dtype):
         dt = value
     else:

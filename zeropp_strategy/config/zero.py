@@ -172,8 +172,9 @@ class ZeroConfig:
     sharding, so no rank ever holds it whole, from the random state its build ended with (plain
     PyTorch modules get a real build's values, bit for bit; engine/meta_init.py). False, or
     ``init_module(empty_init=False)``, builds it for real on every rank. At stage 1 the build
-    is real whatever this says; there ``zeropp_strategy.from_pretrained`` reads the folder on
-    rank 0 only and the others get its values with DDP's broadcast (engine/meta_init.py)."""
+    is real whatever this says; under ``init_module(empty_init=True)`` there,
+    ``zeropp_strategy.from_pretrained`` reads a folder on rank 0 only and the others get its
+    values with DDP's broadcast (engine/meta_init.py)."""
     reduce_bucket_bytes: int = 25 * 2**20
     """Stage 1: bytes of gradients all-reduced per bucket (>= 1024)."""
     allgather_bucket_bytes: int = 50 * 2**20

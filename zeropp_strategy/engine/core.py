@@ -372,9 +372,8 @@ class ZeroEngine:
         config asks for it. A model read on rank 0 only ([Note: stage-1 load on rank 0] in
         engine/meta_init.py) is allocated empty here: the broadcast of rank 0's values that
         follows (DDP's construction, or ``broadcast_module``) fills it."""
-        for m in module.modules():
-            if getattr(m, RANK0_VALUES_ATTR, False):
-                to_empty_keeping_ties(m.modules(), self.device)
+        marked = [m for m in module.modules() if getattr(m, RANK0_VALUES_ATTR, False)]
+        to_empty_keeping_ties(marked, self.device)  # one pass: a weight tied across them stays tied
         materialize(module, self.device)
         module = self.precision.convert_module(module)
         module.to(self.device)

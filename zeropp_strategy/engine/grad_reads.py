@@ -21,7 +21,7 @@ Inside ``no_sync``/``accumulate`` before the sync step the gradients are this pr
 as under DDP, and nothing is said. ``zero_grad(set_to_none=False)`` zeroes in place without
 clearing the mark: a read in the next accumulation step may warn although it matches DDP.
 The subclass changes nothing else: the same objects, ``isinstance(p, nn.Parameter)``,
-state dicts of plain tensors, a pickled model loads back with plain parameters. Costs one
+state dicts of plain tensors; pickled, a parameter is a plain ``nn.Parameter`` again. Costs one
 Python call per ``.grad`` read, and a frame lookup only while the mark is set.
 """
 
@@ -40,7 +40,7 @@ __all__ = ["GradientReadWarning", "ReadWatch", "WatchedParameter", "watch_reads"
 _GRAD = torch._C.TensorBase.grad  # the getset descriptor every tensor's ``.grad`` goes through
 # Readers whose reads are right at stage 1 (owned rows only, or clearing): module-name prefixes.
 _SILENT = ("zeropp_strategy.", "torch.optim.", "torch.amp.", "torch.cuda.amp.", "torch.nn.modules.",
-           "torch.autograd.", "torch.distributed.", "torch._", "accelerate.")
+           "torch.nn.parallel.", "torch.autograd.", "torch.distributed.", "torch._", "accelerate.")
 
 
 class GradientReadWarning(UserWarning):
@@ -63,10 +63,12 @@ class ReadWatch:
         global _warned
         if _warned or (frame.f_globals.get("__name__", "") + ".").startswith(_SILENT):
             return
-        _warned = True
         user = frame  # the line to name: the first caller outside torch (clip_grad_norm_ reads for its caller)
         while user.f_back is not None and user.f_globals.get("__name__", "").startswith("torch."):
             user = user.f_back
+        if (user.f_globals.get("__name__", "") + ".").startswith(_SILENT):
+            return  # torch called by Accelerate or by us (Accelerate's clip_grad_value_: elementwise, right)
+        _warned = True
         warnings.warn_explicit(
             "zeropp stage 1: this p.grad, read after a gradient-sync backward, holds the gradient averaged "
             "over the processes only in the rows this process owns (the other rows are its own unreduced "
@@ -96,6 +98,16 @@ class WatchedParameter(nn.Parameter):
     @grad.deleter
     def grad(self) -> None:
         _GRAD.__delete__(self)
+
+    def __reduce_ex__(self, protocol: int) -> tuple:  # type: ignore[override]
+        """Pickled as the plain ``nn.Parameter`` it is, without the watch (``torch.load`` with
+        ``weights_only=True`` reads it back, without this package)."""
+        from collections import OrderedDict
+
+        state = {k: v for k, v in self.__dict__.items() if k != "_zeropp_read_watch"}
+        if not state:
+            return torch._utils._rebuild_parameter, (self.data, self.requires_grad, OrderedDict())
+        return torch._utils._rebuild_parameter_with_state, (self.data, self.requires_grad, OrderedDict(), state)
 
 
 def watch_reads(module: nn.Module, advice: str) -> ReadWatch:

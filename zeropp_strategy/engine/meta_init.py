@@ -106,16 +106,19 @@ def replayed_rng(root: nn.Module) -> Iterator[None]:
     yield
 
 
-def build_context(config: ZeroConfig, empty_init: bool | None) -> AbstractContextManager:
+def build_context(config: ZeroConfig, empty_init: bool | None, *, rank: int = 0,
+                  world_size: int = 1) -> AbstractContextManager:
     """Where a front-end builds the user's model (Lightning's ``configure_model`` and
     ``init_module``, Fabric's ``init_module``): ``meta_build()`` at stages 2/3 unless
     ``empty_init=False`` or ``config.meta_init`` is False; at stage 1, which keeps full
-    parameters on every rank, a real build whatever ``empty_init`` says, where a published
-    model is read by rank 0 only (``rank0_values``; not with ``empty_init=False``)."""
+    parameters on every rank, a real build, where with ``empty_init=True`` (Lightning's and
+    Fabric's ``init_module(empty_init=True)``: values come later) a published model is read
+    by rank 0 only (``rank0_values``). ``rank``/``world_size``: the front-end's, known
+    before the process group exists (Lightning's ``init_module`` runs before ``fit``)."""
     if config.stage in (2, 3) and config.meta_init and empty_init is not False:
         return meta_build()
-    if config.stage == 1 and empty_init is not False:
-        return rank0_values()
+    if config.stage == 1 and empty_init is True and world_size > 1:
+        return rank0_values(rank)
     return nullcontext()
 
 
@@ -124,21 +127,25 @@ def build_context(config: ZeroConfig, empty_init: bool | None) -> AbstractContex
 # values before training: DDP's construction broadcasts rank 0's parameters and buffers,
 # and a module with nothing to train gets ``broadcast_module``. A published folder read on
 # every rank is therefore read and converted (bf16 files to fp32 parameters, say) N - 1
-# times in vain. Inside ``rank0_values`` (the stage-1 build), ``from_pretrained`` on the
-# other ranks builds the model's skeleton on the meta device (checked against the folder,
-# so bad input fails there too) and marks it; ``prepare_stage1`` allocates the marked
-# modules' tensors empty, and the broadcast that follows fills them. Nothing else changes:
-# a model read before the front-end prepares it is real on rank 0 and meta (it fails
-# loudly) elsewhere, never garbage. ``real_values()`` switches it off for code that must
-# compute with the model inside the build (DPO's ``precompute_reference``).
-_RANK0_VALUES: ContextVar[bool] = ContextVar("zeropp_rank0_values", default=False)
+# times in vain. Inside ``rank0_values`` (the stage-1 build with ``empty_init=True``),
+# ``from_pretrained`` of a local safetensors folder on the other ranks builds the model's
+# skeleton on the meta device (checked against the folder, so bad input fails there too,
+# in eval mode with the folder's generation config, as transformers returns it on rank 0)
+# and marks it; ``prepare_stage1`` allocates the marked modules' tensors empty, and the
+# broadcast that follows fills them. It is opt-in (``empty_init=True``), not the default of
+# ``configure_model``: code that computes with the model inside the build (resizing the
+# embeddings for added tokens, DPO's ``precompute_reference``) would fail on the other
+# ranks only, where the tensors are meta; ``real_values()`` switches it off for such code.
+# A hub name or a folder of ``.bin`` files is read by every rank, as before.
+_RANK0_VALUES: ContextVar[int | None] = ContextVar("zeropp_rank0_values", default=None)  # this rank, when on
 RANK0_VALUES_ATTR = "_zeropp_values_from_rank0"
 
 
 @contextmanager
-def rank0_values(enabled: bool = True) -> Iterator[None]:
-    """While active, ``from_pretrained`` reads the folder on rank 0 only ([Note: stage-1 load on rank 0])."""
-    token = _RANK0_VALUES.set(enabled)
+def rank0_values(rank: int | None) -> Iterator[None]:
+    """While active (``rank`` not None: this process's global rank), ``from_pretrained``
+    reads the folder on rank 0 only ([Note: stage-1 load on rank 0])."""
+    token = _RANK0_VALUES.set(rank)
     try:
         yield
     finally:
@@ -147,12 +154,10 @@ def rank0_values(enabled: bool = True) -> Iterator[None]:
 
 def real_values() -> AbstractContextManager:
     """Every rank reads its own values, also inside a stage-1 build."""
-    return rank0_values(False)
+    return rank0_values(None)
 
 
 def values_come_from_rank0() -> bool:
-    """True on a rank other than 0 of a distributed job inside ``rank0_values``."""
-    import torch.distributed as dist
-
-    return (_RANK0_VALUES.get() and dist.is_available() and dist.is_initialized()
-            and dist.get_world_size() > 1 and dist.get_rank() != 0)
+    """True on a rank other than 0 inside ``rank0_values``."""
+    rank = _RANK0_VALUES.get()
+    return rank is not None and rank != 0

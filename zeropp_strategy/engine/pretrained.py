@@ -193,19 +193,43 @@ def from_pretrained(path: str | Path, *, auto_class: Any = None, dtype: torch.dt
 
     auto_class = auto_class or transformers.AutoModelForCausalLM
     dtype_kw = {"dtype": dtype} if dtype is not None else {}
-    if not torch.empty(0).is_meta and not values_come_from_rank0():
+    on_meta = torch.empty(0).is_meta
+    folder_path = Path(path)
+    rank0_only = (not on_meta and values_come_from_rank0() and (folder_path / "config.json").is_file()
+                  and any(folder_path.glob("*.safetensors")))  # the same decision on every rank
+    if not on_meta and not rank0_only:
         return auto_class.from_pretrained(str(path), **dtype_kw, **config_kwargs)
     folder = PretrainedFolder(path)
-    if not torch.empty(0).is_meta:  # stage 1, not rank 0: [Note: stage-1 load on rank 0]
-        config = transformers.AutoConfig.from_pretrained(str(path), **config_kwargs)
-        with torch.device("meta"):
-            model = auto_class.from_config(config, **dtype_kw)
-        folder.check(model)  # bad input fails here as on rank 0
-        setattr(model, RANK0_VALUES_ATTR, True)
-        return model
+    if rank0_only:  # stage 1, not rank 0: [Note: stage-1 load on rank 0] in engine/meta_init.py
+        return _rank0_skeleton(folder, auto_class, dtype, config_kwargs)
     config = transformers.AutoConfig.from_pretrained(str(path), **config_kwargs)
     model = auto_class.from_config(config, **dtype_kw)
     _register(model, folder, folder.check(model))
+    return model
+
+
+def _rank0_skeleton(folder: PretrainedFolder, auto_class: Any, dtype: torch.dtype | None,
+                    config_kwargs: dict[str, Any]) -> nn.Module:
+    """What rank 0's ``auto_class.from_pretrained`` returns, on the meta device: the same
+    dtype (transformers 5 keeps the folder's ``config.dtype``, 4.x loads fp32 unless told),
+    eval mode and the folder's generation config; checked against the folder; every module
+    marked for ``prepare_stage1``."""
+    import transformers
+    from packaging.version import Version
+
+    config = transformers.AutoConfig.from_pretrained(str(folder.path), **config_kwargs)
+    if dtype is None:
+        dtype = (getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32) \
+            if Version(transformers.__version__) >= Version("5") else torch.float32
+        dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype), torch.float32)
+    with torch.device("meta"):
+        model = auto_class.from_config(config, dtype=dtype)
+    folder.check(model)  # bad input fails here as on rank 0
+    if (folder.path / "generation_config.json").is_file() and getattr(model, "generation_config", None) is not None:
+        model.generation_config = transformers.GenerationConfig.from_pretrained(str(folder.path))
+    model.eval()
+    for m in model.modules():  # every module: a part taken out (get_decoder()) stays marked
+        setattr(m, RANK0_VALUES_ATTR, True)
     return model
 
 

@@ -162,7 +162,8 @@ class ScalarHead(nn.Linear):
 
 class ScalarHeadModel(nn.Module):
     """A transformer backbone with a linear scalar head: the reward model and the critic.
-    ``dtype`` as in ``build_causal_lm``, for the body and the head.
+    ``dtype`` as in ``build_causal_lm``: the body built from a folder or a config, and the
+    head; a body passed as a module is kept as it is.
 
     ``forward`` returns the per-token values ``[batch, time]``; ``score`` the value at
     each row's last real token, found from the attention mask (left or right padding).
