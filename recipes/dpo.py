@@ -15,7 +15,6 @@ import torch
 
 from zeropp_strategy.recipes.base import PairDatasetModule
 from zeropp_strategy.rlhf import ops
-from zeropp_strategy.engine.meta_init import real_values
 from zeropp_strategy.rlhf.models import apply_lora, build_causal_lm, disable_dropout
 
 __all__ = ["DPOModule", "sequence_logprobs"]
@@ -88,8 +87,7 @@ class DPOModule(PairDatasetModule):
         if isinstance(self.model_spec, dict):
             self.reference = copy.deepcopy(self.policy)
         else:  # precomputed here, in configure_model: it must exist for real (every rank holds it)
-            with torch.device("cpu") if self.precompute_reference else contextlib.nullcontext(), \
-                    real_values() if self.precompute_reference else contextlib.nullcontext():
+            with torch.device("cpu") if self.precompute_reference else contextlib.nullcontext():
                 self.reference = build_causal_lm(self.model_spec, dtype=self.weights_dtype)
         disable_dropout(self.reference.requires_grad_(False)).train()  # from_pretrained gives eval mode; Lightning warns
         self.policy = apply_lora(self.policy, self.lora)

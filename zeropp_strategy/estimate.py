@@ -69,21 +69,23 @@ PCIE_BYTES_PER_S = 25e9  # host <-> GPU copies per rank
 NVME_BYTES_PER_S = 3e9  # per node
 GPU_HEADROOM = 0.95  # of --gpu-memory the plan may fill
 
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgtp]?)(i?)(b|bit)?\s*$", re.IGNORECASE)
 _RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgtp]?)(i?)(b|bit|bps)?(/s)?\s*$", re.IGNORECASE)
 _UNIT = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
 
 
 def parse_bytes(text: str, field_name: str) -> int:
-    """``80GB``, ``80GiB``, ``512G``, ``1.5TB`` -> bytes (GB decimal, GiB binary)."""
-    m = _SIZE.match(str(text))
-    if not m or (m.group(4) or "").lower() == "bit" or m.group(4) == "b":
-        raise ValueError(f"{field_name}={text!r} is not a size. Fix: e.g. {field_name} 80GB (or 80GiB, 512G).")
-    base = 1024 if m.group(3) else 1000
-    size = int(float(m.group(1)) * base ** _UNIT[m.group(2).lower()])
-    if size <= 0:
-        raise ValueError(f"{field_name}={text!r} is not a size above 0. Fix: e.g. {field_name} 80GB.")
-    return size
+    """``80GB``, ``80GiB``, ``512G``, ``1.5TB`` -> bytes (GB decimal, GiB binary): the units
+    of ``zeropp consolidate --max-shard-size`` (``checkpoint.consolidate.parse_size``), plus a
+    bare ``G``; a lower-case ``b`` (bits) is refused."""
+    from zeropp_strategy.checkpoint.consolidate import parse_size
+
+    unit = str(text).strip().lstrip("0123456789. ")
+    if not (unit.lower().endswith("bit") or unit.endswith("b")):
+        try:
+            return parse_size(str(text) + "B" if unit[-1:].lower() in ("k", "m", "g", "t", "p") else str(text))
+        except ValueError:
+            pass
+    raise ValueError(f"{field_name}={text!r} is not a size. Fix: e.g. {field_name} 80GB (or 80GiB, 512G).")
 
 
 def parse_bandwidth(text: str, field_name: str) -> float:

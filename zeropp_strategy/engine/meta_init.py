@@ -134,8 +134,9 @@ def build_context(config: ZeroConfig, empty_init: bool | None, *, rank: int = 0,
 # and marks it; ``prepare_stage1`` allocates the marked modules' tensors empty, and the
 # broadcast that follows fills them. It is opt-in (``empty_init=True``), not the default of
 # ``configure_model``: code that computes with the model inside the build (resizing the
-# embeddings for added tokens, DPO's ``precompute_reference``) would fail on the other
-# ranks only, where the tensors are meta; ``real_values()`` switches it off for such code.
+# embeddings for added tokens, a reference model run before training) would fail on the
+# other ranks only, where the tensors are meta; ``real_values()`` switches it off for such
+# code.
 # A hub name or a folder of ``.bin`` files is read by every rank, as before.
 _RANK0_VALUES: ContextVar[int | None] = ContextVar("zeropp_rank0_values", default=None)  # this rank, when on
 RANK0_VALUES_ATTR = "_zeropp_values_from_rank0"
