@@ -57,6 +57,17 @@ VARIANTS = {
     "zeropp_g32": {"quantized_weights": True, "hpz_partition_size": 0, "quantized_gradients": True,
                    "gradient_quant_block_elems": 32},
     "qwZ_b64": {"quantized_weights": True, "weight_quant_block_elems": 64},
+    # Error feedback on qgZ's cross-node hop (ZeroConfig.gradient_error_feedback, LoCo), with
+    # int8 inside the node (gradient_quant_bits_intra=8); "_ef0": beta 0 (classic feedback).
+    "qgZ_b256_ef": {"quantized_gradients": True, "gradient_quant_block_elems": 256, "gradient_error_feedback": True},
+    "qgZ_b256_ef0": {"quantized_gradients": True, "gradient_quant_block_elems": 256, "gradient_error_feedback": True,
+                     "gradient_error_beta": 0.0},
+    "qgZ_b256_i8": {"quantized_gradients": True, "gradient_quant_block_elems": 256, "gradient_quant_bits_intra": 8},
+    "zeropp_ef": {"quantized_weights": True, "hpz_partition_size": 0, "quantized_gradients": True,
+                  "gradient_quant_bits_intra": 8, "gradient_error_feedback": True},
+    "zeropp_ef_g256": {"quantized_weights": True, "hpz_partition_size": 0, "quantized_gradients": True,
+                       "gradient_quant_bits_intra": 8, "gradient_error_feedback": True,
+                       "gradient_quant_block_elems": 256},
 }
 DEFAULT_VARIANTS = ["stage3", "qwZ", "hpZ", "qgZ", "zeropp"]
 

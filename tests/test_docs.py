@@ -763,6 +763,14 @@ def test_quickstart_lightning_module_works() -> None:
     assert len(lit.configure_optimizers().param_groups[0]["params"]) == len(list(first.parameters()))
 
 
+@covers(("docs/zeropp.md", "# error feedback from a DeepSpeed config"))
+def test_error_feedback_example_runs() -> None:
+    """zeropp.md's error-feedback example: the strategy takes both settings, and DeepSpeed's
+    zeropp_loco_param block maps to them (the fence's own asserts)."""
+    ns = exec_python(fence("docs/zeropp.md", "# error feedback from a DeepSpeed config").body, "zeropp.md")
+    assert ns["strategy"].config.gradient_error_feedback and ns["strategy"].config.gradient_quant_bits_intra == 8
+
+
 @covers(("docs/zeropp.md", "# the trained-weights table"))
 def test_trained_weights_table_script_runs(capsys: pytest.CaptureFixture[str]) -> None:
     """The script behind zeropp.md's block-size table (the MiniLM weights ship with the

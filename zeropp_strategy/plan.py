@@ -64,6 +64,10 @@ class ZeroPPPolicy:
     hpz_partition_size: int
     quantized_gradients: bool
     gradient_quant_bits: int
+    gradient_quant_bits_intra: int | None
+    gradient_error_feedback: bool
+    gradient_error_beta: float
+    gradient_error_reset_steps: int
     gradient_quant_block_elems: int
     quantized_gradients_on_single_node: bool
     quantize_min_elems: int

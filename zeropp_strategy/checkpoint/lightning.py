@@ -22,6 +22,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from zeropp_strategy.checkpoint.atomic import safe_load
+from zeropp_strategy.checkpoint.comm_state import QGZ_ERROR, error_feedback_tensors, load_error_feedback
 from zeropp_strategy.checkpoint.protocol import move_callback_tensors, open_sharded, write_full, write_sharded
 from zeropp_strategy.checkpoint.sharded import (
     FORMAT,
@@ -106,6 +107,9 @@ def save(
     if moved:
         tensors["callbacks"] = moved
     checkpoint["zeropp"] = dict(zeropp)
+    if (feedback := error_feedback_tensors(module)) is not None:  # [Note: error feedback in checkpoints]
+        tensors[QGZ_ERROR] = {"model": feedback[0]}
+        checkpoint["zeropp"][QGZ_ERROR] = {"model": feedback[1]}
     tokenizer = _tokenizer(module)
 
     def extra(tmp: Path) -> None:
@@ -129,6 +133,7 @@ def load_model_state(module: nn.Module, checkpoint: Mapping[str, Any], sharded: 
         load_model(module, sharded, strict=strict)
     else:
         load_full_model_state(module, checkpoint["state_dict"], strict=strict)
+    load_error_feedback(module, sharded, checkpoint.get("zeropp", {}).get(QGZ_ERROR, {}).get("model"), key="model")
 
 
 def load_optimizer_states(module: nn.Module, optimizers: list[Optimizer], checkpoint: Mapping[str, Any],

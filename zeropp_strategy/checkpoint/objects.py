@@ -24,6 +24,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from zeropp_strategy.checkpoint.atomic import new_nonce, safe_load
+from zeropp_strategy.checkpoint.comm_state import QGZ_ERROR, error_feedback_tensors, load_error_feedback
 from zeropp_strategy.checkpoint.protocol import open_sharded, write_full, write_sharded
 from zeropp_strategy.checkpoint.sharded import (
     FORMAT,
@@ -99,6 +100,10 @@ def save_objects(
         optim_tensors[key], optim_meta[key] = optimizer_tensors_and_meta(unwrap(modules[owner]), opt)
         optim_meta[key]["module"] = owner
     tensors[OPTIM] = optim_tensors
+    for key, module in modules.items():  # [Note: error feedback in checkpoints]
+        if (feedback := error_feedback_tensors(unwrap(module))) is not None:
+            tensors.setdefault(QGZ_ERROR, {})[key] = feedback[0]
+            zeropp.setdefault(QGZ_ERROR, {})[key] = feedback[1]
     meta = {"state": dict(rest), "optimizers": optim_meta, "modules": list(modules), ZEROPP: zeropp}
     write_sharded(path, nonce, tensors, meta, rank_zero=rank_zero, barrier=barrier)
 
@@ -119,6 +124,7 @@ def load_objects(
             if key not in meta.get("modules", []):
                 raise KeyError(f"checkpoint {path} has no module {key!r} (it has {meta.get('modules')}).")
             load_model(unwrap(module), path, strict=strict, key=key)
+            load_error_feedback(unwrap(module), path, meta.get(ZEROPP, {}).get(QGZ_ERROR, {}).get(key), key=key)
         for key, opt in optimizers.items():
             entry = meta.get("optimizers", {}).get(key)
             if entry is None:
@@ -138,6 +144,7 @@ def load_objects(
     checkpoint = safe_load(path, weights_only)
     checkpoint.pop(ZEROPP, None)
     for key, module in modules.items():
+        load_error_feedback(unwrap(module), None, None, key=key)
         if key in checkpoint:
             load_full_model_state(unwrap(module), checkpoint.pop(key), strict=strict)
         elif strict:

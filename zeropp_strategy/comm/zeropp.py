@@ -26,6 +26,23 @@ sends (W-1) x s x elem_size, (W-L) x s x elem_size of it across nodes. Cross-nod
 against fp32 gradients: (M-1) q(s) vs (W-L) 4s, i.e. about 1/(8L) of the plain bytes.
 The result equals the exact reduction within the bound of two quantizations
 (|err| <= sum of the block half-scales; stated and tested in tests/test_zeropp.py).
+Step 1 may use more bits than step 2 (``ZeroConfig.gradient_quant_bits_intra``): the
+intra-node link is the fast one, and the first quantization's error is then 16x smaller.
+
+[Note: qgZ error feedback]
+Step 2's quantization error is the one the slow link's bit width sets, and it is the same
+sign step after step wherever a gradient is steady, so it accumulates in the weights. With
+``ZeroConfig.gradient_error_feedback`` each rank keeps, per FSDP group, an fp32 buffer ``e``
+of its node partials' shape (M chunks of s: 1/L of the group's gradient) and sends
+``c = p + e`` in place of its partials ``p``:
+    q = Q(c)                          (what crosses; the same bytes as without feedback)
+    e <- beta e + (1 - beta) (c - deQ(q))
+LoCo's moving average of the errors (beta = ``gradient_error_beta``; 0 is the classic error
+feedback, where the sum of what was sent over T steps equals the sum of the partials up to
+the last step's error alone: ``sum deQ(q_t) = sum p_t - e_T``). ``e`` is zeroed every
+``gradient_error_reset_steps`` reductions of the group (LoCo's reset_T; 0 = never). Only
+this rank's partials are compensated, so what every rank receives stays the same for all:
+the ranks' weights never diverge. Tested against a reference in tests/test_zeropp.py.
 """
 
 from __future__ import annotations
@@ -46,6 +63,7 @@ from zeropp_strategy.comm.ledger import CommKind, CommLedger
 from zeropp_strategy.fsdp_private import AllGather, ReduceScatter
 from zeropp_strategy.kernels import (
     dequant_reduce_quantize,
+    dequantize,
     dequantize_gathered,
     num_blocks,
     padded_numel,
@@ -101,6 +119,41 @@ class QuantizedAllGather(EmptyAlloc, AllGather):
                           then=dequantize_all)
 
 
+class ErrorFeedback:
+    """The kept quantization error of one group's node partials ([Note: qgZ error feedback])."""
+
+    def __init__(self, *, beta: float, reset_steps: int, layout: tuple[int, int] = (1, 1)) -> None:
+        self.beta = beta
+        self.reset_steps = reset_steps
+        self.layout = layout  # (nodes, ranks per node): the error means nothing on another
+        self.error: torch.Tensor | None = None
+        self.reductions = 0
+
+    def quantize(self, partials: torch.Tensor, block_elems: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Codes and scales of ``partials + error`` (fp32, whole blocks; used as scratch), and
+        the error updated with what this quantization dropped."""
+        if self.error is None or self.error.shape != partials.shape:
+            self.error = torch.zeros_like(partials)
+        else:
+            self.error = self.error.to(partials.device)  # a no-op but after a load from a checkpoint
+            if self.reset_steps and self.reductions % self.reset_steps == 0:
+                self.error.zero_()
+        self.reductions += 1
+        compensated = partials.add_(self.error)
+        codes, scales = quantize(compensated, block_elems, bits)
+        dropped = compensated.sub_(dequantize(codes, scales, block_elems, compensated.numel(), bits))
+        self.error.mul_(self.beta).add_(dropped, alpha=1.0 - self.beta)
+        return codes, scales
+
+    def state_dict(self) -> dict[str, object]:
+        return {"error": self.error, "reductions": self.reductions}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        error = state["error"]
+        self.error = None if error is None else torch.as_tensor(error).clone()
+        self.reductions = int(state["reductions"])  # type: ignore[call-overload]
+
+
 class HierarchicalQuantReduceScatter(EmptyAlloc, ReduceScatter):
     """qgZ: two-hop quantized gradient reduce-scatter (see [Note: qgZ])."""
 
@@ -117,12 +170,16 @@ class HierarchicalQuantReduceScatter(EmptyAlloc, ReduceScatter):
         on_single_node: bool,
         nodes: NodeGroups | None = None,
         deferral: BackwardDeferral | None = None,
+        intra_bits: int | None = None,
+        feedback: ErrorFeedback | None = None,
     ) -> None:
         self.ledger = ledger
         self.topology = topology
         self.intra_group = intra_group
         self.inter_group = inter_group
-        self.bits = bits
+        self.bits = bits  # the cross-node hop's
+        self.intra_bits = bits if intra_bits is None else intra_bits
+        self.feedback = feedback
         self.block_elems = block_elems
         self.min_elems = min_elems
         self.on_single_node = on_single_node
@@ -168,33 +225,41 @@ class HierarchicalQuantReduceScatter(EmptyAlloc, ReduceScatter):
         thread's own when deferred)."""
         topo = self.topology
         s = output_tensor.numel()
-        M, L, B, bits = topo.num_nodes, topo.ranks_per_node, self.block_elems, self.bits
+        M, L, B, bits, bits1 = topo.num_nodes, topo.ranks_per_node, self.block_elems, self.bits, self.intra_bits
         s_pad = padded_numel(s, B)
-        code_bytes = s_pad * bits // 8  # per chunk
+        code_bytes = s_pad * bits // 8  # per chunk, across nodes
+        code_bytes1 = s_pad * bits1 // 8  # per chunk, within the node
         scale_bytes = 4 * num_blocks(s, B)
         chunk_q = code_bytes + scale_bytes
         code_dtype = torch.int8 if bits == 8 else torch.uint8
 
         # 1. intra-node: destination-major order, the M chunks for local rank l' together.
         order = [m * L + lp for lp in range(L) for m in range(M)]
-        codes, scales = swizzle_quantize(input_tensor, order, s, B, bits)
-        codes = codes.view(L, M * code_bytes)
+        codes, scales = swizzle_quantize(input_tensor, order, s, B, bits1)
+        codes = codes.view(L, M * code_bytes1)
         scales = scales.view(L, M * num_blocks(s, B))
         send = torch.cat([codes.view(torch.uint8), scales.contiguous().view(torch.uint8).view(L, -1)], dim=1)
         recv = torch.empty_like(send)
         self._book(step=1, seg_bytes=send.shape[1], out_bytes=tensor_bytes(output_tensor))
         dist.all_to_all_single(recv, send.contiguous(), group=intra_group)
-        src_codes = recv[:, : M * code_bytes].reshape(-1).view(code_dtype)
-        src_scales = recv[:, M * code_bytes :].reshape(-1).view(torch.float32)
+        src_codes = recv[:, : M * code_bytes1].reshape(-1).view(torch.int8 if bits1 == 8 else torch.uint8)
+        src_scales = recv[:, M * code_bytes1 :].reshape(-1).view(torch.float32)
         if M == 1:
             total = dequant_reduce_quantize(
-                src_codes, src_scales, sources=L, numel=s_pad, block_elems=B, bits=bits, requantize=False
+                src_codes, src_scales, sources=L, numel=s_pad, block_elems=B, bits=bits1, requantize=False
             )
         else:
             # 2. node partials (M chunks), requantized, across nodes to rank (m, l).
-            c2, s2 = dequant_reduce_quantize(
-                src_codes, src_scales, sources=L, numel=M * s_pad, block_elems=B, bits=bits, requantize=True
-            )
+            if self.feedback is None and bits1 == bits:  # one fused pass
+                c2, s2 = dequant_reduce_quantize(
+                    src_codes, src_scales, sources=L, numel=M * s_pad, block_elems=B, bits=bits, requantize=True
+                )
+            else:  # other bits across, or the kept error added first ([Note: qgZ error feedback])
+                partials = dequant_reduce_quantize(
+                    src_codes, src_scales, sources=L, numel=M * s_pad, block_elems=B, bits=bits1, requantize=False
+                )
+                quantizer = quantize if self.feedback is None else self.feedback.quantize
+                c2, s2 = quantizer(partials, B, bits)
             send2 = torch.cat(
                 [c2.view(torch.uint8).view(M, code_bytes), s2.view(torch.uint8).view(M, scale_bytes)], dim=1
             )

@@ -37,6 +37,10 @@ _DS_OFFLOAD_KEYS = {  # zero_optimization.offload_{optimizer,param} key -> (Offl
     "buffer_count": ("buffer_count", "int"),
     "buffer_size": ("buffer_bytes", "elems"),
 }
+_DS_LOCO_KEYS = {  # zero_optimization.zeropp_loco_param key -> (ZeroConfig field, kind); the block turns it on
+    "err_beta": ("gradient_error_beta", "value"),
+    "reset_T": ("gradient_error_reset_steps", "int"),
+}
 _DS_SAVE_KEYS = ("stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save")
 _TRUE = (True, "true", "True")
 
@@ -99,12 +103,17 @@ def _from_deepspeed(cls: type[Any], d: Mapping[str, Any], source: str, *, warn: 
             "zero_optimization.stage is missing, and DeepSpeed's default is 0")
         _invalid("ZeroConfig.stage", stage, f"stage 0 is plain data parallel; use strategy='ddp' ({origin_note} "
                  f"in {source})", "use strategy='ddp' for plain data parallel, or set zero_optimization.stage to 1, 2 or 3")
-    blocks = ("offload_optimizer", "offload_param", *_DS_SAVE_KEYS)
+    blocks = ("offload_optimizer", "offload_param", "zeropp_loco_param", *_DS_SAVE_KEYS)
     take(_DS_ZERO_KEYS, {k: v for k, v in zero.items() if k not in blocks}, "zero_optimization", kwargs)
     for key in ("offload_optimizer", "offload_param"):
         if block := _ds_block(zero, key, f"{source}: zero_optimization"):
             take(_DS_OFFLOAD_KEYS, block, f"zero_optimization.{key}", sub := {})
             kwargs[key] = sub
+    if zero.get("zeropp_loco_param") is not None:  # DeepSpeed's LoCo: error feedback for qgZ
+        take(_DS_LOCO_KEYS, _ds_block(zero, "zeropp_loco_param", f"{source}: zero_optimization"),
+             "zero_optimization.zeropp_loco_param", kwargs)
+        kwargs["gradient_error_feedback"] = True
+        origin["gradient_error_feedback"] = "zero_optimization.zeropp_loco_param"
     if any(zero.get(k) in _TRUE for k in _DS_SAVE_KEYS):
         kwargs["state_dict_type"] = "full"
     comm_dtype = d.get("communication_data_type")

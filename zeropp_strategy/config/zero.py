@@ -129,7 +129,24 @@ class ZeroConfig:
     quantized_gradients: bool = False
     """qgZ: hierarchical quantized gradient reduce-scatter (intra-node, then inter-node). Stage 2 or 3."""
     gradient_quant_bits: int = 4
-    """Bits per quantized gradient element in qgZ: 4 or 8."""
+    """Bits per quantized gradient element in qgZ: 4 or 8. The cross-node hop always uses
+    it; the intra-node hop too unless ``gradient_quant_bits_intra`` says otherwise."""
+    gradient_quant_bits_intra: int | None = None
+    """Bits of qgZ's first hop, inside the node (4 or 8); None = ``gradient_quant_bits``. 8 here
+    with 4 across halves the first quantization's error for intra-node bytes only (SDP4Bit's
+    split: more bits on the fast link, fewer on the slow one)."""
+    gradient_error_feedback: bool = False
+    """qgZ error feedback (LoCo): each rank keeps what the cross-node quantization of its node
+    partials dropped and adds it to the next step's partials before quantizing, so the
+    rounding errors cancel over steps instead of accumulating in the weights. Costs one fp32
+    buffer of 1/ranks-per-node of the gradients per rank; no extra bytes on the wire. Needs
+    ``quantized_gradients`` (docs/zeropp.md, "Error feedback")."""
+    gradient_error_beta: float = 0.8
+    """Error feedback: the kept error is ``beta * old + (1 - beta) * new`` (LoCo's moving
+    average; 0 = the classic feedback of the last step's error alone). In [0, 1)."""
+    gradient_error_reset_steps: int = 1024
+    """Error feedback: the kept error is zeroed every this many reductions of a group
+    (LoCo's reset_T); 0 = never."""
     gradient_quant_block_elems: int = 64
     """Elements per qgZ quantization block: a power of two in 32..65536. 64 by measurement: at
     256, int4 gradients left a 200-step GPT-2 run 5.5% above plain stage 3 in loss; at 64 within
@@ -233,9 +250,18 @@ class ZeroConfig:
         for name in ("weight_quant_block_elems", "gradient_quant_block_elems"):
             put(name, _block_elems(f"{w}.{name}", getattr(self, name)))
         for name, fix in _BITS_FIELDS.items():
+            if name == "gradient_quant_bits_intra" and self.gradient_quant_bits_intra is None:
+                continue
             if _int(f"{w}.{name}", getattr(self, name), fix) not in (4, 8):
                 _invalid(f"{w}.{name}", getattr(self, name), "must be 4 or 8", fix)
             put(name, int(getattr(self, name)))
+        beta, beta_fix = self.gradient_error_beta, "use 0.8 (LoCo's default) or any value in [0, 1)"
+        if isinstance(beta, bool) or not isinstance(beta, (int, float)):
+            _invalid(f"{w}.gradient_error_beta", beta, f"must be a number, not {type(beta).__name__}", beta_fix,
+                     TypeError)
+        if not 0.0 <= float(beta) < 1.0:
+            _invalid(f"{w}.gradient_error_beta", beta, "must be in [0, 1)", beta_fix)
+        put("gradient_error_beta", float(beta))
         put("peer_timeout", _seconds(f"{w}.peer_timeout", self.peer_timeout,
                                      "use seconds >= 0, e.g. peer_timeout=60 (0 turns the watchdog off)"))
         sdt, sdt_fix = self.state_dict_type, "use 'sharded' (a file per rank), 'full' (one file) or None (stage default)"
@@ -263,6 +289,11 @@ class ZeroConfig:
         if self.quantized_gradients and stage < 2:
             _invalid(f"{w}.quantized_gradients", True, "qgZ replaces the gradient reduce-scatter of stages 2 "
                      "and 3; stage 1 all-reduces gradients", "set stage=2 or 3, or quantized_gradients=False")
+        for name, value in (("gradient_error_feedback", self.gradient_error_feedback),
+                            ("gradient_quant_bits_intra", self.gradient_quant_bits_intra)):
+            if value not in (False, None) and not self.quantized_gradients:
+                _invalid(f"{w}.{name}", value, "it changes qgZ's quantized reduce-scatter, which is off",
+                         f"set quantized_gradients=True as well, or leave {name} at its default")
         if self.overlap_param_gather and stage != 1:
             _invalid(f"{w}.overlap_param_gather", True, f"it overlaps stage 1's post-step gather; stage {stage} "
                      "gathers parameters per block in forward, already prefetched under compute",
@@ -398,9 +429,11 @@ class ZeroConfig:
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(ZeroConfig))
 _BOOL_FIELDS = ("overlap_param_gather", "quantized_weights", "quantized_gradients", "quantized_gradients_on_single_node",
+                "gradient_error_feedback",
                 "quantize_frozen_weights", "activation_checkpointing", "meta_init")
 _BITS_FIELDS = {  # field (4 or 8) -> fix
     "gradient_quant_bits": "use 4 (least traffic) or 8 (more precise)",
+    "gradient_quant_bits_intra": "use 8 (inside the node, where bytes are cheap), 4, or None (= gradient_quant_bits)",
     "frozen_weight_bits": "use 8 (int8, the default) or 4 (int4: half the bytes, a coarser step)",
 }
 _INT_MINIMUMS = {  # field -> (smallest valid value, fix)
@@ -410,6 +443,7 @@ _INT_MINIMUMS = {  # field -> (smallest valid value, fix)
     "reduce_bucket_bytes": (1024, "use e.g. reduce_bucket_bytes=25 * 2**20"),
     "allgather_bucket_bytes": (1024, "use e.g. allgather_bucket_bytes=50 * 2**20"),
     "simulated_nodes": (0, "use 0 for the real topology, or N > 0 to simulate N nodes"),
+    "gradient_error_reset_steps": (0, "use e.g. 1024 (LoCo's reset_T), or 0 never to reset"),
 }
 
 

@@ -169,7 +169,7 @@ class ZeroEngine:
 
     def comm_factories(self) -> tuple[Any, Any]:
         """Factories for qwZ / qgZ comm objects (None: the plain ledger collectives)."""
-        from zeropp_strategy.comm.zeropp import HierarchicalQuantReduceScatter, QuantizedAllGather
+        from zeropp_strategy.comm.zeropp import ErrorFeedback, HierarchicalQuantReduceScatter, QuantizedAllGather
 
         cfg, topo = self.config, self.topology
         all_gather: Any = None
@@ -200,6 +200,10 @@ class ZeroEngine:
                     on_single_node=cfg.quantized_gradients_on_single_node,
                     nodes=self.nodes,
                     deferral=self.deferral(),
+                    intra_bits=cfg.gradient_quant_bits_intra,
+                    feedback=ErrorFeedback(beta=cfg.gradient_error_beta, reset_steps=cfg.gradient_error_reset_steps,
+                                           layout=(topo.num_nodes, topo.ranks_per_node))
+                    if cfg.gradient_error_feedback else None,
                 )
 
             reduce_scatter = quantized_reduce_scatter

@@ -336,6 +336,26 @@ def install_comms(
                   for p in sub.parameters()}
         rs.params = [p for p in m.parameters() if id(p) not in nested and isinstance(p, DTensor)]
         m.set_custom_reduce_scatter(rs)
+        # Kept where error_feedbacks(user's module) finds it: the root is our wrapper of that module.
+        holder = m.module if isinstance(m, ShardedRoot) else m
+        if _REDUCE_SCATTERS_ATTR not in holder.__dict__:
+            holder.__dict__[_REDUCE_SCATTERS_ATTR] = {}
+        holder.__dict__[_REDUCE_SCATTERS_ATTR][id(m)] = rs
+
+
+_REDUCE_SCATTERS_ATTR = "_zeropp_reduce_scatters"
+
+
+def error_feedbacks(module: nn.Module) -> list[Any]:
+    """The qgZ error-feedback states of the FSDP groups in ``module`` (the user's module or
+    our root around it), in module order, the same on every rank and in every run of the
+    same model: [Note: qgZ error feedback]."""
+    found = []
+    for m in module.modules():
+        for rs in m.__dict__.get(_REDUCE_SCATTERS_ATTR, {}).values():
+            if getattr(rs, "feedback", None) is not None:
+                found.append(rs.feedback)
+    return found
 
 
 @torch.no_grad()
