@@ -448,6 +448,12 @@ def test_from_deepspeed_stage_0_is_ddp(ds):
      ["zero_optimization.offload_param.buffer_count=True"]),
     ({"zero_optimization": [3]}, TypeError, ["zero_optimization=[3]"]),
     ({"zero_optimization": {"stage": 3, "offload_param": "cpu"}}, TypeError, ["offload_param='cpu'"]),
+    ({"zero_optimization": {"stage": 3, "zero_quantized_gradients": True, "zeropp_loco_param": {"err_beta": 1.5}}},
+     ValueError, ["ZeroConfig.gradient_error_beta=1.5", "zero_optimization.zeropp_loco_param.err_beta", "Fix: "]),
+    ({"zero_optimization": {"stage": 3, "zeropp_loco_param": {"reset_T": 10}}}, ValueError,
+     ["ZeroConfig.gradient_error_feedback=True", "zero_quantized_gradients: true"]),
+    ({"zero_optimization": {"stage": 3, "zero_quantized_gradients": True, "zeropp_loco_param": 0.8}}, TypeError,
+     ["zeropp_loco_param=0.8"]),
 ])
 def test_from_deepspeed_bad_values(ds, exc, substrings):
     with pytest.raises(exc) as info:

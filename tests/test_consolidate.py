@@ -87,7 +87,8 @@ def hf_entry(module: LitLlama) -> dict[str, Any]:
     return {"prefix": "model.", "architecture": type(module.model).__name__, "config": module.model.config.to_dict()}
 
 
-def write_sharded(ref: dict[str, Any], module: LightningModule, optimizers: list, folder: Path, **zeropp: Any) -> None:
+def write_sharded(ref: dict[str, Any], module: LightningModule, optimizers: list, folder: Path,
+                  extra_tensors: dict[str, Any] | None = None, **zeropp: Any) -> None:
     """``ref`` (a DDP-style checkpoint) rewritten in the zeropp sharded format v1."""
     names = {id(p): n for n, p in module.named_parameters()}
     optim_tensors: dict[str, Any] = {}
@@ -112,7 +113,8 @@ def write_sharded(ref: dict[str, Any], module: LightningModule, optimizers: list
     }  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.save({"model": dict(ref["state_dict"]), "optim": optim_tensors}, checkpoint_id=folder, no_dist=True)
+        dcp.save({"model": dict(ref["state_dict"]), "optim": optim_tensors, **(extra_tensors or {})},
+                 checkpoint_id=folder, no_dist=True)
     torch.save(meta, folder / META)
 
 
@@ -177,6 +179,20 @@ def test_full_checkpoint_is_what_ddp_saves(trained, tmp_path):
     assert_same(full["optimizer_states"][0], optimizer.state_dict(), "optimizer")
     # the parameter with no gradient has an index but no state
     assert len(full["optimizer_states"][0]["state"]) == sum(len(g["params"]) for g in optimizer.param_groups) - 1
+
+
+def test_kept_errors_of_error_feedback_stay_out_of_the_full_file(trained, tmp_path):
+    """A sharded checkpoint of a run with qgZ error feedback holds every rank's kept errors;
+    they are per-rank training state, which a one-file checkpoint does not hold: consolidate
+    leaves them out (and writes the same file as without them)."""
+    module, optimizer, ref, _ = trained
+    sharded = tmp_path / "with_errors"
+    kept = {"qgz_error": {"model": {"rank0.0": torch.ones(64), "rank1.0": torch.full((64,), 2.0)}}}
+    write_sharded(ref, module, [optimizer], sharded, extra_tensors=kept,
+                  qgz_error={"model": {"layout": [2, 2, 1], "reductions": [3]}})
+    full = torch.load(consolidate(sharded, tmp_path / "full.ckpt"), weights_only=True)
+    assert "qgz_error" not in full.pop("zeropp")
+    assert_same(full, ref, "checkpoint")
 
 
 def test_full_checkpoint_loads_into_a_fresh_module_and_optimizer(trained, tmp_path):

@@ -175,8 +175,8 @@ def test_qgz_error_feedback_cancels_the_rounding_over_steps(collectives):
 @pytest.mark.parametrize("beta,reset", [(0.0, 0), (0.8, 3)])
 def test_error_feedback_against_reference(beta, reset):
     """ErrorFeedback.quantize equals the rule of [Note: qgZ error feedback], written out
-    with the plain kernels, step by step; with beta = 0 and no reset, what was sent sums to
-    the partials' sum minus the last error."""
+    with the plain kernels, step by step (resets included); with beta = 0 and no reset,
+    what was sent sums to the partials' sum minus the last error."""
     from zeropp_strategy.comm.zeropp import ErrorFeedback
     from zeropp_strategy.kernels import dequantize, quantize
 
@@ -197,10 +197,6 @@ def test_error_feedback_against_reference(beta, reset):
         part_sum = part_sum + p
     if beta == 0.0 and not reset:
         torch.testing.assert_close(sent_sum, part_sum - ef.error, rtol=0, atol=1e-5)
-    restored = ErrorFeedback(beta=beta, reset_steps=reset)
-    restored.load_state_dict(ef.state_dict())
-    p = torch.randn(n, generator=g)
-    assert all(torch.equal(a, b) for a, b in zip(restored.quantize(p.clone(), B, 4), ef.quantize(p.clone(), B, 4)))
 
 
 # -- whole training steps ---------------------------------------------------------------
@@ -243,7 +239,7 @@ def _resume_with_feedback(world, tmp):
 
     straight = full_model_state(fit(2).lightning_module)
     half = fit(1)
-    errors = [f.error.clone() for f in error_feedbacks(half.lightning_module)]
+    errors = [f.error.clone() for f in error_feedbacks(half.lightning_module) if f.error is not None]
     ckpt = f"{tmp}/ef.ckpt"
     half.save_checkpoint(ckpt)
     resumed = full_model_state(fit(2, ckpt).lightning_module)

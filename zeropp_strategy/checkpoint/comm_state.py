@@ -24,16 +24,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from zeropp_strategy.checkpoint.sharded import QGZ_ERROR, _load, _metadata
 from zeropp_strategy.engine.fsdp import error_feedbacks
 
 __all__ = ["QGZ_ERROR", "error_feedback_tensors", "load_error_feedback"]
 
 log = logging.getLogger(__name__)
-
-QGZ_ERROR = "qgz_error"
 
 
 def _layout(feedbacks: list[Any]) -> list[int]:
@@ -81,12 +79,12 @@ def load_error_feedback(module: nn.Module, directory: Path | None, meta: Mapping
             log.info("zeropp: qgZ error feedback starts from zero errors: %s.", why)
         return
     rank = dist.get_rank() if dist.is_initialized() else 0
-    saved = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    saved = _metadata(directory)
     targets: dict[str, torch.Tensor] = {}
     for i in range(len(feedbacks)):
         entry = saved.get(f"{QGZ_ERROR}.{key}.rank{rank}.{i}")
         if entry is not None:
             targets[f"rank{rank}.{i}"] = torch.empty(entry.size, dtype=entry.properties.dtype)
-    dcp.load({QGZ_ERROR: {key: targets}}, checkpoint_id=str(directory))
+    _load({QGZ_ERROR: {key: targets}}, directory)
     for i, feedback in enumerate(feedbacks):
         feedback.error = targets.get(f"rank{rank}.{i}")

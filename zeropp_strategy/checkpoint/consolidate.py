@@ -49,7 +49,7 @@ from zeropp_strategy.checkpoint.hf import (DEFAULT_MAX_SHARD_BYTES, HFModel, Wei
                                            config_from_record, write_hf)
 from zeropp_strategy.checkpoint.integrity import check_written
 from zeropp_strategy.checkpoint.layout import LIGHTNING, FullCheckpoint, ShardedCheckpoint, open_checkpoint
-from zeropp_strategy.checkpoint.sharded import CALLBACK_TENSORS_ID
+from zeropp_strategy.checkpoint.sharded import CALLBACK_TENSORS_ID, QGZ_ERROR
 from zeropp_strategy.checkpoint.sharded import TENSOR as TENSOR_MARK
 from zeropp_strategy.errors import USAGE_EXIT, UsageError, run
 from zeropp_strategy.parsers import CONSOLIDATE_DTYPES
@@ -121,7 +121,8 @@ def _write_lightning(src: ShardedCheckpoint, out: Path, dtype: torch.dtype | Non
             value = {k: _callback_state(src, v) for k, v in value.items()}
         elif key == "zeropp":
             # Kept so that `--hf` works on this file too; the tokenizer folder does not come along.
-            value = {**value, "format": CONSOLIDATED_FORMAT, "tokenizer_dir": None}
+            value = {**{k: v for k, v in value.items() if k != QGZ_ERROR}, "format": CONSOLIDATED_FORMAT,
+                     "tokenizer_dir": None}
         checkpoint[key] = value
         if key == "pytorch-lightning_version":
             checkpoint["state_dict"] = state_dict  # where Lightning puts it
@@ -151,7 +152,8 @@ def _write_objects(src: ShardedCheckpoint, out: Path, dtype: torch.dtype | None)
     for key, entry in (src.meta.get("optimizers") or {}).items():
         checkpoint[key] = _optimizer_state(src, key, entry)
         owners[key] = entry["module"]
-    checkpoint["zeropp"] = {**src.zeropp, "format": CONSOLIDATED_FORMAT, "modules": src.modules, "optimizers": owners}
+    checkpoint["zeropp"] = {**{k: v for k, v in src.zeropp.items() if k != QGZ_ERROR}, "format": CONSOLIDATED_FORMAT,
+                            "modules": src.modules, "optimizers": owners}
     _save_checked(src, checkpoint, out, count)
 
 

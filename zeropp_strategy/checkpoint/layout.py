@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from zeropp_strategy.checkpoint.atomic import META_FILE, OLD_TAG, TMP_TAG, safe_load
 from zeropp_strategy.checkpoint.integrity import CheckpointError
-from zeropp_strategy.checkpoint.sharded import CALLBACK_TENSORS_ID, canonical
+from zeropp_strategy.checkpoint.sharded import CALLBACK_TENSORS_ID, QGZ_ERROR, canonical
 from zeropp_strategy.checkpoint.sharded import FORMAT as SHARDED_FORMAT
 from zeropp_strategy.checkpoint.sharded import VERSION as FORMAT_VERSION
 
@@ -84,7 +84,9 @@ class ShardedCheckpoint:
         self._strip = "model." if "modules" not in meta else ""
         self._reader = _MetadataOnceReader(str(path))
         metadata = self._reader.read_metadata()
-        self.entries = metadata.state_dict_metadata
+        # Not qgZ's kept errors: each rank's own training state, which a one-file checkpoint
+        # does not hold ([Note: error feedback in checkpoints] in comm_state.py).
+        self.entries = {k: v for k, v in metadata.state_dict_metadata.items() if not k.startswith(f"{QGZ_ERROR}.")}
         # state_dict_metadata is ordered by which rank wrote what (a replicated tensor goes to one
         # rank only); planner_data, when the writer flattened, lists rank 0's keys in its
         # state_dict order: the order strategy="ddp" saves in.

@@ -39,6 +39,7 @@ TENSOR = "__tensor__"
 # A callback's state_dict() may hold DTensor shards under CALLBACK_TENSORS (ShardedEMA): in
 # the sharded format they are saved with the model under "callbacks.<id>.<name>", and the
 # callback's entry in the meta file keeps only the id, under CALLBACK_TENSORS_ID.
+QGZ_ERROR = "qgz_error"  # DCP key and zeropp-block key of qgZ's kept errors (checkpoint/comm_state.py)
 CALLBACK_TENSORS = "__zeropp_shards__"
 CALLBACK_TENSORS_ID = "__zeropp_shards_id__"
 _WRAPPER_SEGMENTS = ("_orig_mod.", "_checkpoint_wrapped_module.")

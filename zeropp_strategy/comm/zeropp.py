@@ -27,7 +27,7 @@ against fp32 gradients: (M-1) q(s) vs (W-L) 4s, i.e. about 1/(8L) of the plain b
 The result equals the exact reduction within the bound of two quantizations
 (|err| <= sum of the block half-scales; stated and tested in tests/test_zeropp.py).
 Step 1 may use more bits than step 2 (``ZeroConfig.gradient_quant_bits_intra``): the
-intra-node link is the fast one, and the first quantization's error is then 16x smaller.
+intra-node link is the fast one, and the first quantization's step is then 127/7 = 18x finer.
 
 [Note: qgZ error feedback]
 Step 2's quantization error is the one the slow link's bit width sets, and it is the same
@@ -40,9 +40,13 @@ of its node partials' shape (M chunks of s: 1/L of the group's gradient) and sen
 LoCo's moving average of the errors (beta = ``gradient_error_beta``; 0 is the classic error
 feedback, where the sum of what was sent over T steps equals the sum of the partials up to
 the last step's error alone: ``sum deQ(q_t) = sum p_t - e_T``). ``e`` is zeroed every
-``gradient_error_reset_steps`` reductions of the group (LoCo's reset_T; 0 = never). Only
-this rank's partials are compensated, so what every rank receives stays the same for all:
-the ranks' weights never diverge. Tested against a reference in tests/test_zeropp.py.
+``gradient_error_reset_steps`` reductions of the group (LoCo's reset_T; 0 = never; a
+reduction is one reduce-scatter, i.e. one per micro-batch when gradients are synchronized
+on every micro-batch). The ranks' weights cannot diverge: qgZ reduces only over the whole
+world, so each gradient element has exactly one owner, whose shard the optimizer updates
+before the next gather hands it to all. When a group's partials change size (a parameter
+without a gradient this step) the kept error restarts from zero. Tested against a
+reference in tests/test_zeropp.py.
 """
 
 from __future__ import annotations
@@ -145,13 +149,6 @@ class ErrorFeedback:
         self.error.mul_(self.beta).add_(dropped, alpha=1.0 - self.beta)
         return codes, scales
 
-    def state_dict(self) -> dict[str, object]:
-        return {"error": self.error, "reductions": self.reductions}
-
-    def load_state_dict(self, state: dict[str, object]) -> None:
-        error = state["error"]
-        self.error = None if error is None else torch.as_tensor(error).clone()
-        self.reductions = int(state["reductions"])  # type: ignore[call-overload]
 
 
 class HierarchicalQuantReduceScatter(EmptyAlloc, ReduceScatter):

@@ -110,10 +110,12 @@ def _from_deepspeed(cls: type[Any], d: Mapping[str, Any], source: str, *, warn: 
             take(_DS_OFFLOAD_KEYS, block, f"zero_optimization.{key}", sub := {})
             kwargs[key] = sub
     if zero.get("zeropp_loco_param") is not None:  # DeepSpeed's LoCo: error feedback for qgZ
-        take(_DS_LOCO_KEYS, _ds_block(zero, "zeropp_loco_param", f"{source}: zero_optimization"),
-             "zero_optimization.zeropp_loco_param", kwargs)
+        loco = _ds_block(zero, "zeropp_loco_param", f"{source}: zero_optimization")
+        take(_DS_LOCO_KEYS, loco, "zero_optimization.zeropp_loco_param", kwargs)
+        for key, (name, _) in _DS_LOCO_KEYS.items():  # errors name the DeepSpeed key, not the block's field
+            origin[name] = f"zero_optimization.zeropp_loco_param.{key}"
         kwargs["gradient_error_feedback"] = True
-        origin["gradient_error_feedback"] = "zero_optimization.zeropp_loco_param"
+        origin["gradient_error_feedback"] = "zero_optimization.zeropp_loco_param (set zero_quantized_gradients: true)"
     if any(zero.get(k) in _TRUE for k in _DS_SAVE_KEYS):
         kwargs["state_dict_type"] = "full"
     comm_dtype = d.get("communication_data_type")
