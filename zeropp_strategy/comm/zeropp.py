@@ -150,7 +150,6 @@ class ErrorFeedback:
         return codes, scales
 
 
-
 class HierarchicalQuantReduceScatter(EmptyAlloc, ReduceScatter):
     """qgZ: two-hop quantized gradient reduce-scatter (see [Note: qgZ])."""
 
