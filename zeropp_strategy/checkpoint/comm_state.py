@@ -69,9 +69,10 @@ def load_error_feedback(module: nn.Module, directory: Path | None, meta: Mapping
         assert meta is not None and directory is not None
         for feedback, count in zip(feedbacks, meta["reductions"], strict=True):
             feedback.reductions = int(count)
-        if list(meta["layout"]) != _layout(feedbacks):
-            why = (f"they were kept for {meta['layout'][0]} ranks as {meta['layout'][1]} nodes x {meta['layout'][2]}, "
-                   f"this run has {_layout(feedbacks)[0]} as {_layout(feedbacks)[1]} x {_layout(feedbacks)[2]}")
+        saved_layout, layout = list(meta["layout"]), _layout(feedbacks)
+        if saved_layout != layout:
+            why = (f"they were kept for {saved_layout[0]} ranks as {saved_layout[1]} nodes x {saved_layout[2]}, "
+                   f"this run has {layout[0]} as {layout[1]} x {layout[2]}")
     if why is not None:
         for feedback in feedbacks:
             feedback.error = None

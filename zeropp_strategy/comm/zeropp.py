@@ -227,7 +227,7 @@ class HierarchicalQuantReduceScatter(EmptyAlloc, ReduceScatter):
         code_bytes1 = s_pad * bits1 // 8  # per chunk, within the node
         scale_bytes = 4 * num_blocks(s, B)
         chunk_q = code_bytes + scale_bytes
-        code_dtype = torch.int8 if bits == 8 else torch.uint8
+        code_dtype, code_dtype1 = (torch.int8 if b == 8 else torch.uint8 for b in (bits, bits1))
 
         # 1. intra-node: destination-major order, the M chunks for local rank l' together.
         order = [m * L + lp for lp in range(L) for m in range(M)]
@@ -238,7 +238,7 @@ class HierarchicalQuantReduceScatter(EmptyAlloc, ReduceScatter):
         recv = torch.empty_like(send)
         self._book(step=1, seg_bytes=send.shape[1], out_bytes=tensor_bytes(output_tensor))
         dist.all_to_all_single(recv, send.contiguous(), group=intra_group)
-        src_codes = recv[:, : M * code_bytes1].reshape(-1).view(torch.int8 if bits1 == 8 else torch.uint8)
+        src_codes = recv[:, : M * code_bytes1].reshape(-1).view(code_dtype1)
         src_scales = recv[:, M * code_bytes1 :].reshape(-1).view(torch.float32)
         if M == 1:
             total = dequant_reduce_quantize(
