@@ -66,6 +66,7 @@ from zeropp_strategy.comm.hierarchical import NodeGroups, all_gather
 from zeropp_strategy.comm.ledger import CommKind, CommLedger
 from zeropp_strategy.fsdp_private import AllGather, ReduceScatter
 from zeropp_strategy.kernels import (
+    code_dtype,
     dequant_reduce_quantize,
     dequantize,
     dequantize_gathered,
@@ -227,7 +228,7 @@ class HierarchicalQuantReduceScatter(EmptyAlloc, ReduceScatter):
         code_bytes1 = s_pad * bits1 // 8  # per chunk, within the node
         scale_bytes = 4 * num_blocks(s, B)
         chunk_q = code_bytes + scale_bytes
-        code_dtype, code_dtype1 = (torch.int8 if b == 8 else torch.uint8 for b in (bits, bits1))
+        codes_as, codes_as1 = code_dtype(bits), code_dtype(bits1)
 
         # 1. intra-node: destination-major order, the M chunks for local rank l' together.
         order = [m * L + lp for lp in range(L) for m in range(M)]
@@ -238,7 +239,7 @@ class HierarchicalQuantReduceScatter(EmptyAlloc, ReduceScatter):
         recv = torch.empty_like(send)
         self._book(step=1, seg_bytes=send.shape[1], out_bytes=tensor_bytes(output_tensor))
         dist.all_to_all_single(recv, send.contiguous(), group=intra_group)
-        src_codes = recv[:, : M * code_bytes1].reshape(-1).view(code_dtype1)
+        src_codes = recv[:, : M * code_bytes1].reshape(-1).view(codes_as1)
         src_scales = recv[:, M * code_bytes1 :].reshape(-1).view(torch.float32)
         if M == 1:
             total = dequant_reduce_quantize(
@@ -263,7 +264,7 @@ class HierarchicalQuantReduceScatter(EmptyAlloc, ReduceScatter):
             self._book(step=2, seg_bytes=chunk_q, out_bytes=0)
             dist.all_to_all_single(recv2, send2.contiguous(), group=inter_group)
             total = dequant_reduce_quantize(
-                recv2[:, :code_bytes].reshape(-1).view(code_dtype),
+                recv2[:, :code_bytes].reshape(-1).view(codes_as),
                 recv2[:, code_bytes:].reshape(-1).view(torch.float32),
                 sources=M,
                 numel=s_pad,

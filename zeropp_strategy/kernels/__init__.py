@@ -50,6 +50,7 @@ from zeropp_strategy.kernels.checks import (
 )
 from zeropp_strategy.kernels.reference import (
     QMAX,
+    code_dtype,
     dequant_reduce_quantize_ref,
     dequantize_gathered_ref,
     dequantize_ref,
@@ -67,6 +68,7 @@ __all__ = [
     "check_input",
     "check_quant_args",
     "check_quantized",
+    "code_dtype",
     "dequant_reduce_quantize",
     "dequantize",
     "dequantize_gathered",

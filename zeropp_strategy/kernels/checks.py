@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
-from zeropp_strategy.kernels.reference import QMAX, num_blocks, padded_numel
+from zeropp_strategy.kernels.reference import QMAX, code_dtype, num_blocks, padded_numel
 
 __all__ = [
     "MAX_BLOCK_ELEMS",
@@ -71,7 +71,7 @@ def check_quantized(
 ) -> tuple[int, int]:
     """(codes, scales) elements per source, after checking that ``sources`` quantized copies
     laid back to back each cover ``numel`` elements in blocks of ``block_elems`` at ``bits``."""
-    want = torch.int8 if bits == 8 else torch.uint8
+    want = code_dtype(bits)
     if codes.dtype != want:
         raise TypeError(f"codes have dtype {codes.dtype} for bits={bits}. Fix: pass them as {want} (.view() it).")
     if scales.dtype != torch.float32:

@@ -50,6 +50,11 @@ import torch
 
 QMAX = {8: 127, 4: 7}
 
+
+def code_dtype(bits: int) -> torch.dtype:
+    """The dtype codes of ``bits`` travel in: int8 for 8 bits, uint8 (two codes a byte) for 4."""
+    return torch.int8 if bits == 8 else torch.uint8
+
 # Elements per chunk: 2**20 (4 MiB of fp32 scratch). Chosen with
 # `python benchmarks/kernels.py --cpu-suite --chunk-sweep` (AMD EPYC, 2 cores, 1 torch thread as
 # in training, torch 2.13; docs/_kernels_cpu_note.md): per-op dispatch costs ~5 us at one
@@ -172,8 +177,7 @@ def _empty_quantized(
     numel: int, block_elems: int, bits: int, n: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes and scales for ``n`` quantized copies of ``numel`` elements, uninitialised."""
-    code_dtype = torch.int8 if bits == 8 else torch.uint8
-    codes = torch.empty(n * padded_numel(numel, block_elems) * bits // 8, dtype=code_dtype, device=device)
+    codes = torch.empty(n * padded_numel(numel, block_elems) * bits // 8, dtype=code_dtype(bits), device=device)
     return codes, torch.empty(n * num_blocks(numel, block_elems), dtype=torch.float32, device=device)
 
 

@@ -51,7 +51,7 @@ import triton
 import triton.language as tl
 
 from zeropp_strategy.kernels.checks import check_chunks, check_input, check_quant_args, check_quantized, normalize_order
-from zeropp_strategy.kernels.reference import QMAX, num_blocks, padded_numel
+from zeropp_strategy.kernels.reference import QMAX, code_dtype, num_blocks, padded_numel
 
 # Elements a program handles per pass: 4096 (16 KiB of fp32 input), the size the Triton
 # tutorials and Liger-Kernel use for memory-bound elementwise kernels, with 8 warps (16
@@ -188,7 +188,7 @@ def _launch_quantize(x_flat, order, n_slots, chunk_elems, block_elems, bits):
     bpc = num_blocks(chunk_elems, block_elems)
     total = n_slots * bpc
     code_elems = total * block_elems * bits // 8
-    codes = torch.empty(code_elems, dtype=torch.int8 if bits == 8 else torch.uint8, device=x_flat.device)
+    codes = torch.empty(code_elems, dtype=code_dtype(bits), device=x_flat.device)
     scales = torch.empty(total, dtype=torch.float32, device=x_flat.device)
     if total == 0:
         return codes, scales
@@ -372,7 +372,7 @@ def dequant_reduce_quantize_triton(
     dev = codes.device
     if requantize:
         out_codes = torch.empty(
-            padded_numel(numel, block_elems) * bits // 8, dtype=torch.int8 if bits == 8 else torch.uint8, device=dev
+            padded_numel(numel, block_elems) * bits // 8, dtype=code_dtype(bits), device=dev
         )
         out_scales = torch.empty(total, dtype=torch.float32, device=dev)
         out_sum = out_scales  # unused by the kernel
