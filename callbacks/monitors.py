@@ -140,7 +140,7 @@ class MemoryMonitor(Callback):
         self.last = values
         pl_module.log_dict(values, on_step=True, on_epoch=False, sync_dist=False, rank_zero_only=False)
         saving = self.next_stage_saving(stats)
-        if not self._warned and stats.total_bytes and saving >= self.raise_stage_fraction * stats.total_bytes:
+        if not self._warned and stats.total_bytes and saving and saving >= self.raise_stage_fraction * stats.total_bytes:
             self._warned = True
             rank_zero_warn(
                 f"MemoryMonitor: stage {stats.stage + 1} would free {saving / 2**20:.1f} MiB per rank "
