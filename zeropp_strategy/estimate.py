@@ -5,46 +5,10 @@ it fits, and the one to use.
     zeropp plan meta-llama/Llama-3-8B-folder --nodes 2 --gpus-per-node 8 --gpu-memory 80GB \\
         --host-memory 512GB --link 100Gbit --intra-link 900GB/s --micro-batch 4 --seq-len 2048
 
-[Note: the estimate]
-Everything here is arithmetic on the model's shape, read from a meta-device build (no
-weights are read or allocated, so a 70B model costs a second): the parameter count ``P``,
-the trainable count ``T`` (``P``, or the LoRA adapters with ``--lora R``), the parameters
-outside the repeated blocks (``P_root``: embeddings, head, final norm) and the largest
-block. The formulas are the ones docs/stages.md and docs/zeropp.md derive and the ledger
-measures, under ``bf16-mixed`` with AdamW: fp32 parameters (``a = 4`` bytes), fp32
-gradients (``g = 4``), two fp32 moments (``k = 8``), 16-bit gathers (``c = 2``), fp32
-reduces (``r = 4``); ``M`` nodes of ``L`` GPUs, ``N = M L`` ranks.
-
-- **Memory per GPU**: parameters, gradients and optimizer state as each stage holds them;
-  the gathered working set of stages 2/3 (stage 2: every group, from its forward to its
-  backward; stage 3: the root group and the two largest blocks, the one computing and the
-  one prefetched); hpZ's secondary shard ``c P / L``; one bucket or one group of unsharded
-  gradients; activations from the micro-batch (``34 s b h`` bytes per layer as Korthikanti
-  et al. count for 16-bit activations without the attention matrix, which SDPA does not
-  store; ``2 s b h`` per layer with activation checkpointing; plus ``6 s b V`` for the
-  logits and their fp32 loss); ``RUNTIME_GPU_BYTES`` for the CUDA context and allocator.
-  Offloaded state moves to the host column (NVMe: to the disk column, with the in-flight
-  buffers in host memory).
-- **Bytes per step per rank**, as the ledger books them: the collectives of each stage on
-  the two-hop routes (docs/stages.md, "Across nodes"): a gather of ``B`` bytes in all sends
-  ``B (M-1)/N`` across nodes and ``B (L-1)/L`` inside per rank, a reduce-scatter of ``B``
-  bytes per rank the same; DDP's ring all-reduce ``2 (N-1)/N B``, ``M/N`` of it across;
-  qwZ at 1 + 4/256 bytes per element, qgZ at 0.5 + 4/64 (int4, blocks of 64), hpZ's
-  backward gather inside the node only. NCCL's native rings on GPUs put up to ``M/(M-1)``
-  times more of a plain collective on the link (2x on two nodes): the cross-node figures
-  are then a lower bound, and ``tests/test_estimate.py`` checks them against the ledger of a
-  measured run.
-- **Step time**: compute ``(6 P + 2 P_ckpt) tokens / (TFLOPs x MFU)`` for full training
-  (``4 P + 2 T`` with frozen weights: the input gradients still pass every layer), plus the
-  communication not hidden behind it: the larger of compute and link time, plus one
-  block's share of the link time (the first gather and the last reduce have nothing to
-  overlap with). A node's cross-node bytes share its link (``--link`` per node), a GPU's
-  intra-node bytes its ``--intra-link``. Offloaded optimizer state adds the host step and
-  the PCIe copies (``HOST_BYTES_PER_S``, ``PCIE_BYTES_PER_S``), not overlapped.
-
-It is an estimate: the measured MFU, the allocator's fragmentation and the framework's
-buffers decide the rest. ``--json`` gives every term, so a measured run can be set beside
-it (docs/plan.md compares it with the ledger of real runs).
+The arithmetic is the plan's (``plan.cost``; [Note: the estimate] in plan.py): the same
+function prices the run's own plan at its start (``ZeroSession.explain``). This module adds
+the model from a name (built on the meta device), every config side by side, the
+recommendation and the command.
 """
 
 from __future__ import annotations
@@ -52,22 +16,15 @@ from __future__ import annotations
 import argparse
 import json
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
+
+from zeropp_strategy.config import ZeroConfig
+from zeropp_strategy.plan import ByteModel, Cluster, ConfigEstimate, ModelShape, Workload, cost, resolve
+from zeropp_strategy.topology import Topology
 
 __all__ = ["Cluster", "ConfigEstimate", "ModelShape", "Workload", "estimate", "main", "model_shape", "parse_bandwidth",
            "parse_bytes"]
-
-A, G, K, C, R = 4, 4, 8, 2, 4  # bytes: fp32 params, fp32 grads, AdamW moments, 16-bit gathers, fp32 reduces
-QW = 1 + 4 / 256  # qwZ: int8 codes + one fp32 scale per 256 elements
-QG = 0.5 + 4 / 64  # qgZ: int4 codes + one fp32 scale per 64 elements
-FROZEN = {8: 1 + 4 / 256, 4: 0.5 + 4 / 256}  # frozen int8/int4 shards: codes + a scale per 256
-RUNTIME_GPU_BYTES = 2 * 2**30  # CUDA context, cuBLAS workspaces, allocator slack
-RUNTIME_HOST_BYTES = 2**30  # per rank: Python, torch, the framework
-HOST_BYTES_PER_S = 10e9  # a host AdamW step, bytes of state per second per rank
-PCIE_BYTES_PER_S = 25e9  # host <-> GPU copies per rank
-NVME_BYTES_PER_S = 3e9  # per node
-GPU_HEADROOM = 0.95  # of --gpu-memory the plan may fill
 
 _RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgtp]?)(i?)(b|bit|bps)?(/s)?\s*$", re.IGNORECASE)
 _UNIT = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
@@ -99,77 +56,6 @@ def parse_bandwidth(text: str, field_name: str) -> float:
     if value <= 0:
         raise ValueError(f"{field_name}={text!r} is not a bandwidth above 0. Fix: e.g. {field_name} 100Gbit.")
     return value if unit.startswith("B") and unit.lower() != "bit" else value / 8
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the estimate needs of a model, from a meta-device build."""
-
-    name: str
-    params: int
-    trainable: int
-    root_params: int  # outside the repeated blocks (embeddings, head, final norm)
-    largest_block: int
-    blocks: int
-    hidden: int
-    layers: int
-    vocab: int
-
-    @property
-    def frozen(self) -> int:
-        return self.params - self.trainable
-
-
-@dataclass(frozen=True)
-class Cluster:
-    nodes: int
-    gpus_per_node: int
-    gpu_memory: int  # bytes
-    host_memory: int  # bytes per node
-    link: float  # bytes/s, cross-node, per node
-    intra_link: float  # bytes/s, per GPU
-    tflops: float = 989.0  # dense bf16 per GPU (H100 SXM)
-    mfu: float = 0.4
-    nvme: str | None = None
-
-    @property
-    def world(self) -> int:
-        return self.nodes * self.gpus_per_node
-
-
-@dataclass(frozen=True)
-class Workload:
-    micro_batch: int = 1
-    seq_len: int = 2048
-    activation_checkpointing: bool = False
-
-
-@dataclass
-class ConfigEstimate:
-    """One config's row: bytes per rank by part, per step, and the verdict."""
-
-    name: str
-    zero_config: dict[str, Any]
-    gpu: dict[str, float] = field(default_factory=dict)  # bytes per GPU by part
-    host: dict[str, float] = field(default_factory=dict)  # bytes per rank by part
-    disk: float = 0.0  # bytes per node
-    intra_bytes: float = 0.0  # per rank per step
-    inter_bytes: float = 0.0
-    compute_s: float = 0.0
-    comm_s: float = 0.0
-    offload_s: float = 0.0
-    step_s: float = 0.0
-    fits: bool = True
-    why_not: str = ""
-    notes: list[str] = field(default_factory=list)  # the run's own fallbacks (plan.resolve)
-
-    @property
-    def gpu_total(self) -> float:
-        return sum(self.gpu.values())
-
-    @property
-    def host_total(self) -> float:
-        return sum(self.host.values())
 
 
 def _meta_model(spec: str) -> tuple[Any, str]:
@@ -257,109 +143,17 @@ FROZEN_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
-def _activations(m: ModelShape, w: Workload) -> float:
-    sbh = w.seq_len * w.micro_batch * m.hidden
-    per_layer = 2 * sbh if w.activation_checkpointing else 34 * sbh
-    extra = 34 * sbh if w.activation_checkpointing else 0  # one block recomputed at a time
-    return m.layers * per_layer + extra + 6 * w.seq_len * w.micro_batch * m.vocab
-
-
 def _one(name: str, cfg: dict[str, Any] | None, m: ModelShape, c: Cluster, w: Workload) -> ConfigEstimate:
-    from zeropp_strategy.config import ZeroConfig
-    from zeropp_strategy.plan import resolve
-    from zeropp_strategy.topology import Topology
-
-    P, T, F, N, L, M = m.params, m.trainable, m.frozen, c.world, c.gpus_per_node, c.nodes
-    e = ConfigEstimate(name, {} if cfg is None else dict(cfg))
-    stage, qw, hpz_group, qg, frozen_bits, opt_off, par_off = 0, False, 1, False, 0, "none", "none"
-    if cfg is not None:  # the decisions the run itself makes for this topology (fallbacks included)
-        fields = {k: ({"device": v, "nvme_path": c.nvme} if v == "nvme" else v) for k, v in cfg.items()}
-        plan = resolve(ZeroConfig(**fields), Topology(world_size=N, rank=0, ranks_per_node=L))
-        stage, qw, hpz_group, qg = plan.stage, plan.quantized_weights, plan.hpz_group, plan.quantized_gradients
-        opt_off, par_off, e.notes = plan.offload_optimizer, plan.offload_param, list(plan.notes)
-        frozen_bits = cfg.get("frozen_weight_bits", 8) if cfg.get("quantize_frozen_weights") and F else 0
-    # -- model states ------------------------------------------------------------------------
-    shard_param = (F * FROZEN[frozen_bits] + A * T) / N if frozen_bits else A * P / N
-    if stage == 0:
-        e.gpu.update(parameters=A * P, gradients=G * T, optimizer=K * T, buckets=G * T)
-    elif stage == 1:
-        e.gpu.update(parameters=A * P, gradients=G * T, optimizer=K * T / N, buckets=min(25 * 2**20, G * T))
-    else:
-        e.gpu.update(parameters=shard_param, gradients=G * T / N, optimizer=K * T / N)
-        if stage == 2:
-            e.gpu["gathered"] = C * P
-        else:
-            e.gpu["gathered"] = C * (m.root_params + 2 * m.largest_block)
-        e.gpu["unsharded_gradients"] = G * min(T, max(m.largest_block, m.root_params))
-        if hpz_group > 1:  # the secondary shard, in the gather's dtype (frozen codes as stored)
-            e.gpu["hpz_secondary"] = ((F * FROZEN[frozen_bits] + C * T) if frozen_bits else C * P) / hpz_group
-    if opt_off != "none":
-        state = {"optimizer": e.gpu.pop("optimizer"), "gradients": e.gpu.pop("gradients")}
-        if opt_off == "cpu":
-            e.host.update(state)
-        else:
-            e.disk += sum(state.values()) * L
-            e.host["nvme_buffers"] = min(sum(state.values()), 2 * 2**30)  # staging, as the memory plan sizes it
-    if par_off != "none":
-        shard = e.gpu.pop("parameters")
-        if par_off == "cpu":
-            e.host["parameters"] = shard
-        else:
-            e.disk += shard * L
-            e.host["parameter_buffers"] = C * 4 * m.largest_block
-    e.gpu["activations"] = _activations(m, w)
-    e.gpu["runtime"] = RUNTIME_GPU_BYTES
-    e.host["runtime"] = RUNTIME_HOST_BYTES
-    # -- bytes per step per rank, as the ledger books them ([Note: two-hop collectives]) --------
-    # A gather of B bytes in all (B/N per rank): across nodes B (M-1)/N, inside B (L-1)/L (the
-    # fan-out); a reduce-scatter of B bytes per rank: inside B (L-1)/L, across B (M-1)/N.
-    across, inside = (M - 1) / N, (L - 1) / L
-    # qwZ quantizes the cross-node hop; the fan-out inside the node stays 16-bit. Frozen
-    # int8/int4 shards travel as stored on both hops.
-    wire = QW if qw else C
-    gather_in = (F * FROZEN[frozen_bits] + C * T) if frozen_bits else C * P
-    gather_across = (F * FROZEN[frozen_bits] + wire * T) if frozen_bits else wire * P
-    if stage == 0:  # DDP's ring all-reduce over N ranks: 2 (N-1)/N B per rank, M of the N hops cross
-        ring = 2 * R * T * (N - 1) / N
-        e.inter_bytes, e.intra_bytes = ring * M / N if M > 1 else 0.0, ring * (1 - M / N) if M > 1 else ring
-    elif stage == 1:  # reduce-scatter of the gradients, all-gather of the updated rows
-        e.intra_bytes, e.inter_bytes = (R + A) * T * inside, (R + A) * T * across
-    else:
-        e.intra_bytes, e.inter_bytes = gather_in * inside, gather_across * across  # forward gather
-        if stage == 3:
-            blocks = 1 - m.root_params / P  # the root is not gathered again in backward
-            if hpz_group > 1:  # from the secondary shard, inside the hpZ group
-                e.intra_bytes += gather_in * blocks * (hpz_group - 1) / hpz_group
-            else:
-                e.intra_bytes += gather_in * blocks * inside
-                e.inter_bytes += gather_across * blocks * across
-        if qg:
-            e.intra_bytes += QG * T * inside
-            e.inter_bytes += QG * T * across
-        else:
-            e.intra_bytes += R * T * inside
-            e.inter_bytes += R * T * across
-    # -- time ----------------------------------------------------------------------------------
-    tokens = w.micro_batch * w.seq_len
-    flops = (6 * P if F == 0 else 4 * P + 2 * T) * tokens + (2 * P * tokens if w.activation_checkpointing else 0)
-    e.compute_s = flops / (c.tflops * 1e12 * c.mfu)
-    link_s = e.inter_bytes * L / c.link + e.intra_bytes / c.intra_link
-    e.comm_s = link_s
-    moved = sum(e.host.get(k, 0.0) for k in ("optimizer", "gradients", "parameters"))
-    if opt_off != "none" or par_off != "none":
-        e.offload_s = e.host.get("optimizer", 0.0) / HOST_BYTES_PER_S + 2 * moved / PCIE_BYTES_PER_S
-        if e.disk:
-            e.offload_s += 2 * e.disk / NVME_BYTES_PER_S
-    e.step_s = max(e.compute_s, link_s) + link_s / max(m.blocks, 1) + e.offload_s
-    # -- fits? ---------------------------------------------------------------------------------
-    problems = []
-    if e.gpu_total > GPU_HEADROOM * c.gpu_memory:
-        problems.append(f"GPU {e.gpu_total / 2**30:.1f} GiB > {GPU_HEADROOM:.0%} of {c.gpu_memory / 2**30:.0f} GiB")
-    if e.host_total * L > c.host_memory:
-        problems.append(f"host {e.host_total * L / 2**30:.1f} GiB per node > {c.host_memory / 2**30:.0f} GiB")
-    if e.disk and not c.nvme:
-        problems.append("needs an NVMe path (--nvme)")
-    e.fits, e.why_not = not problems, "; ".join(problems)
+    """``cfg`` (None: DDP) priced with the decisions the run itself makes for this topology
+    (``plan.resolve``: fallbacks included), under bf16-mixed with AdamW."""
+    if cfg is None:
+        return cost(name, None, m, c, w)
+    fields = {k: ({"device": v, "nvme_path": c.nvme} if v == "nvme" else v) for k, v in cfg.items()}
+    config = ZeroConfig(**fields)
+    plan = resolve(config, Topology(world_size=c.world, rank=0, ranks_per_node=c.gpus_per_node))
+    frozen_bits = config.frozen_weight_bits if config.quantize_frozen_weights and m.frozen else 0
+    e = cost(name, plan, m, c, w, frozen_bits=frozen_bits, b=ByteModel.of(config, "bf16-mixed", plan))
+    e.zero_config = dict(cfg)
     return e
 
 

@@ -132,6 +132,13 @@ class ZeroPPFabricStrategy(ProcessMixin, ParallelStrategy):
     def comm_ledger(self) -> Any:
         return self.engine.ledger
 
+    def explain(self) -> str:
+        """The plan of this run as text (``ZeroSession.explain``): every decision with its
+        fallbacks, and what it costs each model prepared for training (memory per rank by part,
+        bytes per step inside and across nodes). Rank 0 logs its one-line summary at INFO when
+        the model is set up; this has every term."""
+        return self.session.explain()
+
     @property
     def state_dict_type(self) -> str:
         return self.config.resolved_state_dict_type()

@@ -34,6 +34,8 @@ collective), meshes, precision, peer watchdog.
 from __future__ import annotations
 
 import logging
+import math
+import os
 from collections.abc import Callable, Generator, Iterable, Mapping
 from contextlib import ExitStack, contextmanager
 from datetime import timedelta
@@ -53,7 +55,7 @@ from zeropp_strategy.comm.ledger import CommLedger, Phase
 from zeropp_strategy.config import ZeroConfig
 from zeropp_strategy.engine.core import ZeroEngine
 from zeropp_strategy.engine.memory import close_offload
-from zeropp_strategy.engine.fsdp import ShardedRoot, fsdp_modules
+from zeropp_strategy.engine.fsdp import ShardedRoot, fsdp_modules, model_shape
 from zeropp_strategy.engine.guards import check_nonfinite, check_nonfinite_policy, unwrap
 from zeropp_strategy.engine.precision import (
     PrecisionPolicy,
@@ -64,7 +66,7 @@ from zeropp_strategy.engine.precision import (
 )
 from zeropp_strategy.engine.process_group import check_offload_paths, connect, destroy_at_exit
 from zeropp_strategy.fsdp_private import keep_unsharded_after_forward
-from zeropp_strategy.plan import Plan
+from zeropp_strategy.plan import ByteModel, Cluster, ConfigEstimate, Plan, cost
 from zeropp_strategy.topology import Meshes, Topology
 
 __all__ = ["GradSync", "ZeroSession"]
@@ -109,6 +111,7 @@ class ZeroSession:
         self.skipped_steps = 0  # of those, dropped by on_nonfinite="skip"
         self._prepared: dict[int, nn.Module] = {}  # id(user's module) -> what prepare returned
         self._checkpointed: set[int] = set()  # stage 1: modules given activation checkpointing
+        self._estimates: dict[str, ConfigEstimate] = {}  # what the plan costs each model prepared to train
         control.set_default_ledger(engine.ledger)
 
     @classmethod
@@ -223,7 +226,63 @@ class ZeroSession:
         else:
             prepared = self.engine.prepare_module(module, train=train)
         self._prepared[id(module)] = prepared
+        if train and any(p.requires_grad for p in prepared.parameters()):
+            self._price(unwrap(prepared))
         return prepared
+
+    def _price(self, module: nn.Module) -> None:
+        """The plan's cost for ``module`` ([Note: the estimate] in plan.py): one line at INFO on
+        rank 0 (the front-end's ``info``), every term at DEBUG and in ``explain``."""
+        config, topo = self.config, self.topology
+        if self.device.type == "cuda":
+            device_memory = torch.cuda.get_device_properties(self.device).total_memory
+        else:  # a CPU rank's "device" is its share of the host
+            device_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // topo.ranks_per_node
+        cluster = Cluster(nodes=topo.num_nodes, gpus_per_node=topo.ranks_per_node, gpu_memory=device_memory,
+                          host_memory=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+                          link=math.inf, intra_link=math.inf)
+        shape = model_shape(module, wrap_modules=config.wrap_modules, wrap_min_params=config.wrap_min_params)
+        frozen_bits = config.frozen_weight_bits if config.quantize_frozen_weights else 0
+        estimate = cost(f"stage {self.stage}", self.plan, shape, cluster, None, frozen_bits=frozen_bits,
+                        b=ByteModel.of(config, self.precision.precision, self.plan))
+        name, n = shape.name, 2
+        while name in self._estimates:
+            name, n = f"{shape.name} #{n}", n + 1
+        self._estimates[name] = estimate
+        self.engine.info(_one_line(name, shape.params, shape.trainable, topo, estimate))
+        log.debug("%s", self.explain())
+
+    def estimates(self) -> dict[str, ConfigEstimate]:
+        """What the plan costs each model prepared for training, by the model's class name:
+        memory per rank by part (``gpu``: the device, ``host``), bytes per step per rank
+        inside and across nodes ([Note: the estimate] in plan.py). No activations (no batch
+        has been seen) and no link time (a run does not know its links: ``zeropp plan``)."""
+        return dict(self._estimates)
+
+    def explain(self) -> str:
+        """The plan of this run, as text: every decision (``plan.resolve``) with the
+        fallbacks and why, then what it costs each model prepared for training."""
+        lines = [self.plan.describe()] + [f"note: {note}" for note in self.plan.notes]
+        b = ByteModel.of(self.config, self.precision.precision, self.plan)
+        lines.append(f"bytes per element: parameters {b.param:g}, gradients {b.grad:g}, optimizer {b.optim:g}, "
+                     f"gathers {b.gather:g}, reduces {b.reduce:g}"
+                     + (f", qwZ {b.qw:.4g} across nodes" if self.plan.quantized_weights else "")
+                     + (f", qgZ {b.qg_inside:.4g} inside / {b.qg_across:.4g} across nodes"
+                        if self.plan.quantized_gradients else ""))
+        for name, e in self._estimates.items():
+            lines.append(f"{name}:")
+            for where, parts in (("device", e.gpu), ("host", e.host)):
+                kept = {k: v for k, v in parts.items() if k != "runtime" and v}
+                if kept:
+                    lines.append(f"  {where} memory per rank: " + ", ".join(f"{k} {_size(v)}" for k, v in kept.items())
+                                 + f" (total {_size(sum(kept.values()))})")
+            if e.disk:
+                lines.append(f"  NVMe per node: {_size(e.disk)}")
+            lines.append(f"  per step per rank: {_traffic(e.intra_bytes)} inside the node, "
+                         f"{_traffic(e.inter_bytes)} across nodes")
+        if not self._estimates:
+            lines.append("(no model prepared for training yet)")
+        return "\n".join(lines)
 
     def adopt(self, optimizer: Optimizer, *, fix: str | None = None) -> Optimizer:
         """An optimizer over parameters of prepared modules, wrapped as the config asks
@@ -335,7 +394,7 @@ class ZeroSession:
 
     # -- the end ---------------------------------------------------------------------------
 
-    def explain(self, exception: BaseException) -> None:
+    def explain_failure(self, exception: BaseException) -> None:
         """A collective that failed because another rank died: name that rank (waits at
         most ``peer_timeout`` for the evidence). See [Note: peer watchdog]."""
         if self.engine.watchdog is not None and not isinstance(exception, KeyboardInterrupt):
@@ -358,3 +417,30 @@ class ZeroSession:
         self.engine.param_stores.clear()
         self.engine.forget_modules()
         self._prepared.clear()
+
+
+def _size(nbytes: float) -> str:
+    """Memory, binary units."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}" if unit == "GiB" else f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes / 2**10:.1f} KiB"
+
+
+def _traffic(nbytes: float) -> str:
+    """Bytes on a link, decimal units (as the ledger and ``zeropp plan`` print them)."""
+    return f"{nbytes / 1e6:,.2f} MB" if nbytes >= 1e6 else f"{nbytes / 1e3:,.1f} kB"
+
+
+def _one_line(name: str, params: int, trainable: int, topo: Topology, e: ConfigEstimate) -> str:
+    """The plan's cost for one model, for the log at the start of a run."""
+    states = {k: v for k, v in e.gpu.items() if k in ("parameters", "gradients", "optimizer")}
+    working = sum(v for k, v in e.gpu.items() if k not in states and k != "runtime")
+    host = sum(v for k, v in e.host.items() if k != "runtime")
+    return (f"zeropp plan for {name} ({params:,} parameters, {trainable:,} trained) on {topo.num_nodes} node(s) x "
+            f"{topo.ranks_per_node} rank(s): per rank {_size(sum(states.values()))} of model states on the device ("
+            + ", ".join(f"{k} {_size(v)}" for k, v in states.items()) + f") + {_size(working)} gathered and buckets"
+            + (f", {_size(host)} on the host" if host else "")
+            + (f", {_size(e.disk)} on NVMe per node" if e.disk else "")
+            + f"; per step {_traffic(e.intra_bytes)} inside the node and {_traffic(e.inter_bytes)} across nodes "
+            "(estimated, no activations; explain() has every term)")

@@ -196,6 +196,15 @@ class StrategyMixin(CheckpointMixin, EvaluationMixin, ProcessMixin):
     def reset_comm_stats(self) -> None:
         self.comm_ledger.reset()
 
+    def explain(self) -> str:
+        """The plan of this run as text (``ZeroSession.explain``): every decision with its
+        fallbacks, and what it costs each model prepared for training (memory per rank by part,
+        bytes per step inside and across nodes). Rank 0 logs its one-line summary at INFO when
+        the model is set up; this has every term."""
+        if self._session is None:
+            raise RuntimeError("ZeroPPStrategy.explain() is available once the Trainer has set up processes.")
+        return self._session.explain()
+
     def memory_stats(self) -> MemoryStats:
         """Bytes this rank holds in params/grads/optimizer state, beside the stage's formula."""
         assert self.lightning_module is not None
@@ -344,7 +353,7 @@ class StrategyMixin(CheckpointMixin, EvaluationMixin, ProcessMixin):
 
     def on_exception(self, exception: BaseException) -> None:
         if self._session is not None:
-            self._session.explain(exception)
+            self._session.explain_failure(exception)
 
     def teardown(self) -> None:
         # Offloaded optimizers keep their swap files past fit (trainer.save_checkpoint after

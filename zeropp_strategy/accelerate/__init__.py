@@ -426,5 +426,12 @@ class ZeroPPAccelerator(Accelerator):
     def comm_ledger(self) -> Any:
         return self.engine.ledger
 
+    def explain(self) -> str:
+        """The plan of this run as text (``ZeroSession.explain``): every decision with its
+        fallbacks, and what it costs each model prepared for training (memory per rank by part,
+        bytes per step inside and across nodes). Rank 0 logs its one-line summary at INFO when
+        the model is set up; this has every term."""
+        return self.session.explain()
+
     def is_sharded(self, model: Module) -> bool:
         return bool(fsdp_modules(_unwrap(model)))

@@ -44,6 +44,7 @@ from zeropp_strategy.engine.peft_init import lora_inits
 from zeropp_strategy.engine.pretrained import Loads
 from zeropp_strategy.engine.wrap import apply_activation_checkpointing, select_blocks
 from zeropp_strategy.fsdp_private import group_params, param_groups, reset_sharded_param, set_unshard_async
+from zeropp_strategy.plan import ModelShape
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +140,37 @@ def is_sharded(module: nn.Module) -> bool:
 
 def fsdp_modules(root: nn.Module) -> list[FSDPModule]:
     return [m for m in root.modules() if isinstance(m, FSDPModule)]
+
+
+def model_shape(root: nn.Module, *, wrap_modules: tuple[str, ...], wrap_min_params: int) -> ModelShape:
+    """What the plan's cost needs of a prepared module ([Note: the estimate] in plan.py): global
+    element counts (a sharded parameter counts whole), the parameters outside the blocks and
+    the largest block. The blocks are the FSDP groups below ``root`` at stages 2/3 (each
+    parameter in its innermost group), the ones ``select_blocks`` would choose at stage 1."""
+    params = {id(p): p for p in root.parameters()}
+    groups = fsdp_modules(root)
+    if groups:
+        owner: dict[int, int] = {}
+        for index, group in enumerate(groups):  # pre-order: a nested group comes after its parent
+            for p in group.parameters():  # type: ignore[attr-defined]
+                owner[id(p)] = index
+        sizes = [0] * len(groups)
+        for key, index in owner.items():
+            sizes[index] += params[key].numel() if key in params else 0
+        blocks = sizes[1:] if groups[0] is root else sizes  # the root's own group is not a block
+    else:
+        blocks = [sum(p.numel() for p in b.parameters())
+                  for b in select_blocks(root, wrap_modules=wrap_modules, wrap_min_params=wrap_min_params)]
+    total = sum(p.numel() for p in params.values())
+    config = getattr(root, "config", None)
+    user = root.module if isinstance(root, ShardedRoot) else root
+    cls = next(c for c in type(user).__mro__ if not issubclass(c, FSDPModule))  # FSDP2's FSDP<Name>: <Name>
+    return ModelShape(name=cls.__name__, params=total,
+                      trainable=sum(p.numel() for p in params.values() if p.requires_grad),
+                      root_params=total - sum(blocks), largest_block=max(blocks, default=0), blocks=len(blocks),
+                      hidden=int(getattr(config, "hidden_size", 0) or 0),
+                      layers=int(getattr(config, "num_hidden_layers", 0) or len(blocks)),
+                      vocab=int(getattr(config, "vocab_size", 0) or 0))
 
 
 def reshard_when_training_resumes(root: nn.Module) -> None:
