@@ -46,12 +46,17 @@ import json
 import os
 import resource
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+# `torchrun benchmarks/bench_train.py` puts benchmarks/ on the path, not the repository root
+# that `from benchmarks... import` needs (docs/stages.md's command failed without this).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 LR, WEIGHT_DECAY = 5e-4, 0.01
 SIZES = {"small": (4, 256), "medium": (8, 512), "large": (12, 768)}  # (layers, width): 3.3M, 25.5M, 85M params
