@@ -199,6 +199,60 @@ def test_error_feedback_against_reference(beta, reset):
         torch.testing.assert_close(sent_sum, part_sum - ef.error, rtol=0, atol=1e-5)
 
 
+def _with_feedbacks(errors, reductions):
+    """A module whose two 'FSDP groups' carry qgZ error feedback, as engine/fsdp.py attaches it."""
+    from types import SimpleNamespace
+
+    from zeropp_strategy.comm.zeropp import ErrorFeedback
+    from zeropp_strategy.engine.fsdp import _REDUCE_SCATTERS_ATTR
+
+    module = torch.nn.Sequential(*(torch.nn.Linear(2, 2) for _ in errors))
+    for sub, error, count in zip(module, errors, reductions, strict=True):
+        feedback = ErrorFeedback(beta=0.8, reset_steps=0, layout=(1, 1))
+        feedback.error, feedback.reductions = error, count
+        sub.__dict__[_REDUCE_SCATTERS_ATTR] = {"g": SimpleNamespace(feedback=feedback)}
+    return module
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP in one process, as this test means
+def test_kept_errors_load_only_into_the_layout_they_were_kept_for(tmp_path, caplog):
+    """[Note: error feedback in checkpoints], every branch, in one process: the same layout
+    restores errors and counts exactly; another layout keeps the counts and starts from zero
+    errors; a full-format file, a checkpoint saved without feedback, or another number of
+    groups start from zero; each says why in one INFO line."""
+    import logging
+
+    import torch.distributed.checkpoint as dcp
+
+    from zeropp_strategy.checkpoint.comm_state import QGZ_ERROR, error_feedback_tensors, load_error_feedback
+    from zeropp_strategy.engine.fsdp import error_feedbacks
+
+    saved = [torch.randn(6), torch.randn(10)]
+    tensors, meta = error_feedback_tensors(_with_feedbacks(saved, [5, 9]))
+    assert meta == {"layout": [1, 1, 1], "reductions": [5, 9]} and set(tensors) == {"rank0.0", "rank0.1"}
+    dcp.save({QGZ_ERROR: {"model": tensors}}, checkpoint_id=str(tmp_path))
+
+    def load(meta_, directory=tmp_path, groups=2):
+        module = _with_feedbacks([torch.zeros(6), torch.zeros(10)][:groups], [0, 0][:groups])
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="zeropp_strategy.checkpoint.comm_state"):
+            load_error_feedback(module, directory, meta_, key="model")
+        return error_feedbacks(module), " ".join(r.getMessage() for r in caplog.records)
+
+    restored, said = load(meta)
+    assert [torch.equal(f.error, e) for f, e in zip(restored, saved)] == [True, True] and not said
+    assert [f.reductions for f in restored] == [5, 9]
+    restored, said = load({**meta, "layout": [4, 2, 2]})
+    assert [f.error for f in restored] == [None, None] and [f.reductions for f in restored] == [5, 9]
+    assert "kept for 4 ranks as 2 nodes x 2, this run has 1 as 1 x 1" in said
+    for meta_, directory, groups, why in ((meta, None, 2, "one full-format file"),
+                                          (None, tmp_path, 2, "saved without error feedback"),
+                                          (meta, tmp_path, 1, "has 2 groups with kept errors, this model 1")):
+        restored, said = load(meta_, directory, groups)
+        assert all(f.error is None and f.reductions == 0 for f in restored), why
+        assert said.startswith("zeropp: qgZ error feedback starts from zero errors:") and why in said, said
+
+
 # -- whole training steps ---------------------------------------------------------------
 
 VARIANTS = {
