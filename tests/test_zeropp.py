@@ -74,7 +74,7 @@ def _collectives_worker(rank, world):
             ledger.reset()
             rs = HierarchicalQuantReduceScatter(
                 ledger, topo, intra_group=meshes.intra_group, inter_group=meshes.inter_group,
-                bits=bits, block_elems=B, min_elems=0, on_single_node=False,
+                bits=bits, block_elems=B, min_elems=0,
             )
             rs(got, inp, world_group, op)
             rel = ((got - exact).norm() / exact.norm()).item()
@@ -108,7 +108,7 @@ def _per_hop_and_feedback(rank, world, topo, meshes, ledger, world_group, B):
     def reduce(intra_bits, feedback=None, times=1):
         rs = HierarchicalQuantReduceScatter(
             ledger, topo, intra_group=meshes.intra_group, inter_group=meshes.inter_group, bits=4, block_elems=B,
-            min_elems=0, on_single_node=False, intra_bits=intra_bits, feedback=feedback)
+            min_elems=0, intra_bits=intra_bits, feedback=feedback)
         got = []
         for _ in range(times):
             got.append(torch.empty(s))

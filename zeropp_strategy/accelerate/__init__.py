@@ -390,8 +390,7 @@ class ZeroPPAccelerator(Accelerator):
         for hook in self._save_model_state_pre_hook.values():
             hook(self._models, [], location)
         modules, optimizers = self._zero_objects()
-        self.session.save(Path(location) / _STATE_DIR, modules, optimizers, {}, front_end="accelerate",
-                          full=self.zero_config.resolved_state_dict_type() == "full")
+        self.session.save(Path(location) / _STATE_DIR, modules, optimizers, {}, front_end="accelerate")
         return location
 
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs: Any) -> None:

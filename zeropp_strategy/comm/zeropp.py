@@ -164,7 +164,6 @@ class HierarchicalQuantReduceScatter(EmptyAlloc, ReduceScatter):
         bits: int,
         block_elems: int,
         min_elems: int,
-        on_single_node: bool,
         nodes: NodeGroups | None = None,
         deferral: BackwardDeferral | None = None,
         intra_bits: int | None = None,
@@ -179,7 +178,6 @@ class HierarchicalQuantReduceScatter(EmptyAlloc, ReduceScatter):
         self.feedback = feedback
         self.block_elems = block_elems
         self.min_elems = min_elems
-        self.on_single_node = on_single_node
         # The plain fallback (small or non-float tensors, one node), deferred alike.
         self.plain = LedgerReduceScatter(ledger, nodes, deferral=deferral)
 
@@ -206,7 +204,6 @@ class HierarchicalQuantReduceScatter(EmptyAlloc, ReduceScatter):
             and op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
             and input_tensor.numel() >= self.min_elems
             and input_tensor.is_floating_point()
-            and (topo.num_nodes > 1 or self.on_single_node)
         )
         if not usable:
             return self.plain(output_tensor, input_tensor, group, op, async_op)

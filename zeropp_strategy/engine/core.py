@@ -168,7 +168,8 @@ class ZeroEngine:
         return self.plan.reshard_after_forward
 
     def comm_factories(self) -> tuple[Any, Any]:
-        """Factories for qwZ / qgZ comm objects (None: the plain ledger collectives)."""
+        """Factories for qwZ / qgZ comm objects (None: the plain ledger collectives), as the
+        plan decided for this topology (asked for on one node, they log why they are off)."""
         from zeropp_strategy.comm.zeropp import ErrorFeedback, HierarchicalQuantReduceScatter, QuantizedAllGather
 
         cfg, topo = self.config, self.topology
@@ -176,6 +177,7 @@ class ZeroEngine:
         reduce_scatter: Any = None
         if cfg.quantized_weights:
             self._note("qwZ")
+        if self.plan.quantized_weights:
 
             def quantized_gather() -> QuantizedAllGather:
                 return QuantizedAllGather(
@@ -187,6 +189,7 @@ class ZeroEngine:
 
         if cfg.quantized_gradients:
             self._note("qgZ")
+        if self.plan.quantized_gradients:
 
             def quantized_reduce_scatter() -> HierarchicalQuantReduceScatter:
                 return HierarchicalQuantReduceScatter(
@@ -197,7 +200,6 @@ class ZeroEngine:
                     bits=cfg.gradient_quant_bits,
                     block_elems=cfg.gradient_quant_block_elems,
                     min_elems=cfg.quantize_min_elems,
-                    on_single_node=cfg.quantized_gradients_on_single_node,
                     nodes=self.nodes,
                     deferral=self.deferral(),
                     intra_bits=cfg.gradient_quant_bits_intra,
