@@ -87,7 +87,38 @@ def _collectives_worker(rank, world):
                 "baseline_ok": (t.baseline_intra_bytes, t.baseline_inter_bytes) == (4 * s, 2 * 4 * s),
             }
     out["hops"] = _per_hop_and_feedback(rank, world, topo, meshes, ledger, world_group, B)
+    out["one_node"] = _one_node(rank, world, B)
     return out
+
+
+def _one_node(rank, world, B):
+    """``quantized_gradients_on_single_node``: the same 4 ranks as one node (M = 1, step 1
+    only): the reduction within one quantization's bound, nothing booked across nodes."""
+    import torch.distributed as dist
+
+    from zeropp_strategy.comm.ledger import CommKind, CommLedger
+    from zeropp_strategy.comm.zeropp import HierarchicalQuantReduceScatter
+    from zeropp_strategy.kernels import quantized_nbytes
+    from zeropp_strategy.topology import Topology
+
+    topo = Topology.detect(world, rank)
+    meshes = topo.build_meshes("cpu")
+    ledger = CommLedger(topo)
+    s = 1000
+    inputs = [torch.randn(world * s, generator=torch.Generator().manual_seed(300 + r)) for r in range(world)]
+    inp = inputs[rank]
+    exact = torch.empty(s)
+    dist.reduce_scatter_tensor(exact, inp.clone(), op=dist.ReduceOp.SUM, group=meshes.world.get_group())
+    got = torch.empty(s)
+    HierarchicalQuantReduceScatter(ledger, topo, intra_group=meshes.intra_group, inter_group=meshes.inter_group,
+                                   bits=8, block_elems=B, min_elems=0)(got, inp, meshes.world.get_group(),
+                                                                       dist.ReduceOp.SUM)
+    # Bound: each source's half-step (at most its largest |value| in this rank's chunk / 127 / 2),
+    # summed over the sources.
+    bound = sum(x[rank * s:(rank + 1) * s].abs().max() / 127 / 2 for x in inputs)
+    t = ledger.totals(CommKind.GRAD_REDUCE)
+    return {"nodes": topo.num_nodes, "within": bool((got - exact).abs().max() <= bound + 1e-6),
+            "bytes": (t.intra_bytes, t.inter_bytes) == (3 * quantized_nbytes(s, B, 8), 0)}
 
 
 def _per_hop_and_feedback(rank, world, topo, meshes, ledger, world_group, B):
@@ -150,6 +181,11 @@ def test_qgz_reduce_scatter_matches_exact_within_bound(collectives):
         for (bits, op), r in out["rs"].items():
             assert r["rel_l2"] <= QGZ_BOUND[bits], (rank, bits, op, r)
             assert r["bytes_ok"] and r["baseline_ok"], (rank, bits, op, r)
+
+
+def test_qgz_on_a_single_node_when_asked(collectives):
+    for r in collectives:
+        assert r["one_node"] == {"nodes": 1, "within": True, "bytes": True}, r["one_node"]
 
 
 def test_qgz_int8_inside_the_node_int4_across(collectives):
