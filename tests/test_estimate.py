@@ -160,3 +160,36 @@ def test_bad_input_is_one_line_naming_the_field(argv, message, capsys) -> None:
     assert main(["plan", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith(message) and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize(("precision", "fields", "want"), [
+    ("32-true", {}, (4, 4, 8, 4, 4)),
+    ("32-true", {"reduce_dtype": "bf16"}, (4, 4, 8, 4, 2)),
+    ("bf16-mixed", {}, (4, 4, 8, 2, 4)),
+    ("16-mixed", {"gather_16bit": False}, (4, 4, 8, 4, 4)),
+    ("bf16-mixed", {"reduce_dtype": "bf16"}, (4, 4, 8, 2, 2)),
+    ("bf16-true", {}, (2, 2, 4, 2, 2)),
+    ("bf16-true", {"reduce_dtype": "fp32"}, (2, 2, 4, 2, 4)),
+])
+def test_the_bytes_per_element_follow_the_runs_precision(precision, fields, want) -> None:
+    """ByteModel.of: what a run's own plan is priced with (param, grad, optimizer, gather, reduce)."""
+    from zeropp_strategy.config import ZeroConfig
+    from zeropp_strategy.plan import ByteModel, resolve
+    from zeropp_strategy.topology import Topology
+
+    config = ZeroConfig(stage=3, quantized_gradients=True, gradient_quant_bits_intra=8, **fields)
+    b = ByteModel.of(config, precision, resolve(config, Topology(world_size=4, rank=0, ranks_per_node=2)))
+    assert (b.param, b.grad, b.optim, b.gather, b.reduce) == want
+    assert (b.qg_across, b.qg_inside, b.qw) == (0.5 + 4 / 64, 1 + 4 / 64, 1 + 4 / 256)
+
+
+def test_a_stage1_model_without_the_named_blocks_is_still_priced() -> None:
+    """wrap_modules naming classes a stage-1 model lacks must not stop its set-up (the price
+    is a diagnostic): the shape falls back to the blocks chosen by size."""
+    from torch import nn
+
+    from zeropp_strategy.engine.fsdp import model_shape
+
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    shape = model_shape(model, wrap_modules=("GPT2Block",), wrap_min_params=1_000_000)
+    assert (shape.name, shape.params, shape.trainable, shape.blocks) == ("Sequential", 2 * 64 * 65, 2 * 64 * 65, 0)

@@ -252,7 +252,7 @@ def _with_feedbacks(errors, reductions):
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP in one process, as this test means
 def test_kept_errors_load_only_into_the_layout_they_were_kept_for(tmp_path, caplog):
-    """[Note: error feedback in checkpoints], every branch, in one process: the same layout
+    """[Note: error feedback in checkpoints], in one process: the same layout
     restores errors and counts exactly; another layout keeps the counts and starts from zero
     errors; a full-format file, a checkpoint saved without feedback, or another number of
     groups start from zero; each says why in one INFO line."""

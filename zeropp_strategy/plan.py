@@ -195,7 +195,7 @@ class Plan:
         if self.stage == 3:
             parts.append(f"hpZ group {self.hpz_group}" if self.hpz_group > 1 else "hpZ off")
         if self.quantized_weights:
-            parts.append("qwZ int8 cross-node gathers")
+            parts.append("qwZ int8 gathers across nodes (the codes on both hops)")
         if self.quantized_gradients:
             parts.append("qgZ quantized gradient reduce")
         parts.append(f"{'16-bit' if self.gather_16bit else 'full-precision'} gathers under mixed precision")
@@ -362,8 +362,8 @@ class ByteModel:
         true_half = precision.endswith("-true") and half == 2.0  # bf16-true: everything in 16 bits
         param = half if true_half else 4.0
         gather = param if not precision.endswith("-mixed") else (2.0 if plan.gather_16bit else 4.0)
-        reduce = {"bf16": 2.0, "bfloat16": 2.0, "fp16": 2.0, "float16": 2.0}.get(str(plan.reduce_dtype), None)
-        if reduce is None:
+        reduce = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0}.get(str(plan.reduce_dtype))  # ZeroConfig.reduce_dtype
+        if reduce is None:  # the precision's own: fp32 under mixed precision, the parameters' otherwise
             reduce = 2.0 if true_half else 4.0
         block = config.gradient_quant_block_elems
         bits_inside = config.gradient_quant_bits_intra or config.gradient_quant_bits
@@ -372,20 +372,23 @@ class ByteModel:
                    qg_inside=bits_inside / 8 + 4 / block)
 
 
-def activations(m: ModelShape, w: Workload) -> float:
+def activations(model: ModelShape, workload: Workload) -> float:
     """Activation bytes of one micro-batch ([Note: the estimate])."""
+    m, w = model, workload
     sbh = w.seq_len * w.micro_batch * m.hidden
     per_layer = 2 * sbh if w.activation_checkpointing else 34 * sbh
     extra = 34 * sbh if w.activation_checkpointing else 0  # one block recomputed at a time
     return m.layers * per_layer + extra + 6 * w.seq_len * w.micro_batch * m.vocab
 
 
-def cost(name: str, plan: Plan | None, m: ModelShape, c: Cluster, w: Workload | None, *, frozen_bits: int = 0,
-         b: ByteModel = ByteModel()) -> ConfigEstimate:
-    """What ``plan`` (None: DDP) costs for ``m`` on ``c``: memory per rank by part, bytes per
-    step per rank inside and across nodes, the step time, and whether it fits. ``w`` None:
-    no activations (a run that has not seen a batch). ``frozen_bits``: frozen weights stored
-    at 8 or 4 bits (0: dense)."""
+def cost(name: str, plan: Plan | None, model: ModelShape, cluster: Cluster, workload: Workload | None, *,
+         frozen_bits: int = 0, b: ByteModel = ByteModel()) -> ConfigEstimate:
+    """What ``plan`` (None: DDP) costs for ``model`` on ``cluster``: memory per rank by part,
+    bytes per step per rank inside and across nodes, the step time, and whether it fits
+    (a memory of 0 in ``cluster`` is not checked). ``workload`` None: no activations and no
+    compute time (a run that has not seen a batch). ``frozen_bits``: frozen weights stored at
+    8 or 4 bits (0: dense)."""
+    m, c, w = model, cluster, workload
     P, T, F, N, L, M = m.params, m.trainable, m.frozen, c.world, c.gpus_per_node, c.nodes
     A, G, K, C, R = b.param, b.grad, b.optim, b.gather, b.reduce
     e = ConfigEstimate(name, {})
@@ -394,6 +397,8 @@ def cost(name: str, plan: Plan | None, m: ModelShape, c: Cluster, w: Workload | 
         stage, qw, hpz_group, qg = plan.stage, plan.quantized_weights, plan.hpz_group, plan.quantized_gradients
         opt_off, par_off, e.notes = plan.offload_optimizer, plan.offload_param, list(plan.notes)
     frozen_bits = frozen_bits if F else 0
+    if frozen_bits:  # FSDP2 keeps no secondary shard of a block with int8/int4 weights: hpZ is off there
+        hpz_group = 1
     # -- model states ------------------------------------------------------------------------
     shard_param = (F * FROZEN[frozen_bits] + A * T) / N if frozen_bits else A * P / N
     if stage == 0:
@@ -434,9 +439,11 @@ def cost(name: str, plan: Plan | None, m: ModelShape, c: Cluster, w: Workload | 
     # Under qwZ (which the plan turns off on one node) a gather sends its quantized payload
     # on both hops: the fan-out inside the node carries the same codes. hpZ's backward gather
     # stays inside the node, unquantized. Frozen int8/int4 shards travel as stored.
+    # In a group holding frozen codes, the dense parameters travel with them at the gather
+    # width (docs/zeropp.md, "Bytes per gather"), not as qwZ codes.
     wire = b.qw if qw else C
     gather_plain = (F * FROZEN[frozen_bits] + C * T) if frozen_bits else C * P
-    gather_wire = (F * FROZEN[frozen_bits] + wire * T) if frozen_bits else wire * P
+    gather_wire = gather_plain if frozen_bits else wire * P
     if stage == 0:  # DDP's ring all-reduce over N ranks: 2 (N-1)/N B per rank, M of the N hops cross
         ring = 2 * R * T * (N - 1) / N
         e.inter_bytes, e.intra_bytes = ring * M / N if M > 1 else 0.0, ring * (1 - M / N) if M > 1 else ring
@@ -472,9 +479,9 @@ def cost(name: str, plan: Plan | None, m: ModelShape, c: Cluster, w: Workload | 
     e.step_s = max(e.compute_s, link_s) + link_s / max(m.blocks, 1) + e.offload_s
     # -- fits? ---------------------------------------------------------------------------------
     problems = []
-    if e.gpu_total > GPU_HEADROOM * c.gpu_memory:
+    if c.gpu_memory and e.gpu_total > GPU_HEADROOM * c.gpu_memory:
         problems.append(f"GPU {e.gpu_total / 2**30:.1f} GiB > {GPU_HEADROOM:.0%} of {c.gpu_memory / 2**30:.0f} GiB")
-    if e.host_total * L > c.host_memory:
+    if c.host_memory and e.host_total * L > c.host_memory:
         problems.append(f"host {e.host_total * L / 2**30:.1f} GiB per node > {c.host_memory / 2**30:.0f} GiB")
     if e.disk and not c.nvme:
         problems.append("needs an NVMe path (--nvme)")

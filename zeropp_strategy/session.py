@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import warnings
 from collections.abc import Callable, Generator, Iterable, Mapping
 from contextlib import ExitStack, contextmanager
 from datetime import timedelta
@@ -112,6 +113,7 @@ class ZeroSession:
         self._prepared: dict[int, nn.Module] = {}  # id(user's module) -> what prepare returned
         self._checkpointed: set[int] = set()  # stage 1: modules given activation checkpointing
         self._estimates: dict[str, ConfigEstimate] = {}  # what the plan costs each model prepared to train
+        self._priced: set[int] = set()  # id() of the modules in _estimates
         control.set_default_ledger(engine.ledger)
 
     @classmethod
@@ -214,6 +216,8 @@ class ZeroSession:
         """
         done = self._prepared.get(id(module))
         if done is not None and (self.stage != 1 or isinstance(done, DistributedDataParallel) == train):
+            if train:
+                self._price(done)
             return done
         if self.stage == 1:
             checkpoint = train and id(module) not in self._checkpointed
@@ -226,22 +230,27 @@ class ZeroSession:
         else:
             prepared = self.engine.prepare_module(module, train=train)
         self._prepared[id(module)] = prepared
-        if train and any(p.requires_grad for p in prepared.parameters()):
-            self._price(unwrap(prepared))
+        if train:
+            self._price(prepared)
         return prepared
 
-    def _price(self, module: nn.Module) -> None:
-        """The plan's cost for ``module`` ([Note: the estimate] in plan.py): one line at INFO on
-        rank 0 (the front-end's ``info``), every term at DEBUG and in ``explain``."""
+    def _price(self, prepared: nn.Module) -> None:
+        """The plan's cost for a model prepared for training, once ([Note: the estimate] in
+        plan.py): one line on rank 0 through the front-end's ``info``, every term at DEBUG and
+        in ``explain``. An estimate must never stop a run: a model it cannot read is logged
+        and left out."""
+        module = unwrap(prepared)
+        if id(module) in self._priced or not any(p.requires_grad for p in module.parameters()):
+            return
+        self._priced.add(id(module))
         config, topo = self.config, self.topology
-        if self.device.type == "cuda":
-            device_memory = torch.cuda.get_device_properties(self.device).total_memory
-        else:  # a CPU rank's "device" is its share of the host
-            device_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // topo.ranks_per_node
-        cluster = Cluster(nodes=topo.num_nodes, gpus_per_node=topo.ranks_per_node, gpu_memory=device_memory,
-                          host_memory=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-                          link=math.inf, intra_link=math.inf)
-        shape = model_shape(module, wrap_modules=config.wrap_modules, wrap_min_params=config.wrap_min_params)
+        try:
+            shape = model_shape(module, wrap_modules=config.wrap_modules, wrap_min_params=config.wrap_min_params)
+        except ValueError as err:  # e.g. wrap_modules that match nothing in a stage-1 model (no blocks needed)
+            self.engine.info(f"zeropp plan: {type(module).__name__} not priced: {err}")
+            return
+        cluster = Cluster(nodes=topo.num_nodes, gpus_per_node=topo.ranks_per_node, gpu_memory=_device_memory(self.device),
+                          host_memory=_host_memory(), link=math.inf, intra_link=math.inf)
         frozen_bits = config.frozen_weight_bits if config.quantize_frozen_weights else 0
         estimate = cost(f"stage {self.stage}", self.plan, shape, cluster, None, frozen_bits=frozen_bits,
                         b=ByteModel.of(config, self.precision.precision, self.plan))
@@ -259,14 +268,21 @@ class ZeroSession:
         has been seen) and no link time (a run does not know its links: ``zeropp plan``)."""
         return dict(self._estimates)
 
-    def explain(self) -> str:
+    def explain(self, exception: BaseException | None = None) -> str:
         """The plan of this run, as text: every decision (``plan.resolve``) with the
-        fallbacks and why, then what it costs each model prepared for training."""
+        fallbacks and why, then what it costs each model prepared for training.
+        (``explain(exception)``, the name of ``explain_failure`` before 2026-11-27, still
+        forwards there, with a ``DeprecationWarning``.)"""
+        if exception is not None:
+            warnings.warn("ZeroSession.explain(exception) is now explain_failure(exception); explain() returns the "
+                          "run's plan.", DeprecationWarning, stacklevel=2)
+            self.explain_failure(exception)
+            return ""
         lines = [self.plan.describe()] + [f"note: {note}" for note in self.plan.notes]
         b = ByteModel.of(self.config, self.precision.precision, self.plan)
         lines.append(f"bytes per element: parameters {b.param:g}, gradients {b.grad:g}, optimizer {b.optim:g}, "
                      f"gathers {b.gather:g}, reduces {b.reduce:g}"
-                     + (f", qwZ {b.qw:.4g} across nodes" if self.plan.quantized_weights else "")
+                     + (f", qwZ {b.qw:.4g} per gathered element" if self.plan.quantized_weights else "")
                      + (f", qgZ {b.qg_inside:.4g} inside / {b.qg_across:.4g} across nodes"
                         if self.plan.quantized_gradients else ""))
         for name, e in self._estimates.items():
@@ -417,6 +433,8 @@ class ZeroSession:
         self.engine.param_stores.clear()
         self.engine.forget_modules()
         self._prepared.clear()
+        self._estimates.clear()
+        self._priced.clear()
 
 
 def _size(nbytes: float) -> str:
@@ -437,10 +455,24 @@ def _one_line(name: str, params: int, trainable: int, topo: Topology, e: ConfigE
     states = {k: v for k, v in e.gpu.items() if k in ("parameters", "gradients", "optimizer")}
     working = sum(v for k, v in e.gpu.items() if k not in states and k != "runtime")
     host = sum(v for k, v in e.host.items() if k != "runtime")
-    return (f"zeropp plan for {name} ({params:,} parameters, {trainable:,} trained) on {topo.num_nodes} node(s) x "
-            f"{topo.ranks_per_node} rank(s): per rank {_size(sum(states.values()))} of model states on the device ("
-            + ", ".join(f"{k} {_size(v)}" for k, v in states.items()) + f") + {_size(working)} gathered and buckets"
+    device = (f"{_size(sum(states.values()))} of model states on the device ("
+              + ", ".join(f"{k} {_size(v)}" for k, v in states.items()) + ") + ") if states else ""
+    return (f"zeropp plan for {name} ({params:,} parameters, {trainable:,} trained, AdamW) on {topo.num_nodes} "
+            f"node(s) x {topo.ranks_per_node} rank(s): per rank {device}{_size(working)} gathered and buckets"
             + (f", {_size(host)} on the host" if host else "")
             + (f", {_size(e.disk)} on NVMe per node" if e.disk else "")
             + f"; per step {_traffic(e.intra_bytes)} inside the node and {_traffic(e.inter_bytes)} across nodes "
             "(estimated, no activations; explain() has every term)")
+
+
+def _device_memory(device: torch.device) -> int:
+    """A CUDA device's memory; 0 (not checked) for a CPU rank, whose model states live in host memory."""
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
+
+
+def _host_memory() -> int:
+    """This machine's physical memory; 0 (not checked) where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows), or the name unknown
+        return 0

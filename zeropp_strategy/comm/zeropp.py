@@ -167,6 +167,7 @@ class HierarchicalQuantReduceScatter(EmptyAlloc, ReduceScatter):
         nodes: NodeGroups | None = None,
         deferral: BackwardDeferral | None = None,
         intra_bits: int | None = None,
+        wire_dtype: torch.dtype | None = None,
         feedback: ErrorFeedback | None = None,
     ) -> None:
         self.ledger = ledger
@@ -178,8 +179,8 @@ class HierarchicalQuantReduceScatter(EmptyAlloc, ReduceScatter):
         self.feedback = feedback
         self.block_elems = block_elems
         self.min_elems = min_elems
-        # The plain fallback (small or non-float tensors, one node), deferred alike.
-        self.plain = LedgerReduceScatter(ledger, nodes, deferral=deferral)
+        # The plain fallback (small or non-float tensors), deferred alike, in ZeroConfig.reduce_dtype.
+        self.plain = LedgerReduceScatter(ledger, nodes, wire_dtype=wire_dtype, deferral=deferral)
 
     @property
     def params(self) -> list[torch.Tensor]:

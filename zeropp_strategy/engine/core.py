@@ -203,6 +203,7 @@ class ZeroEngine:
                     nodes=self.nodes,
                     deferral=self.deferral(),
                     intra_bits=cfg.gradient_quant_bits_intra,
+                    wire_dtype=self.reduce_dtype(),
                     feedback=ErrorFeedback(beta=cfg.gradient_error_beta, reset_steps=cfg.gradient_error_reset_steps,
                                            layout=(topo.num_nodes, topo.ranks_per_node))
                     if cfg.gradient_error_feedback else None,

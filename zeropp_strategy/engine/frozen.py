@@ -56,7 +56,6 @@ from zeropp_strategy.engine.dtensor import local as _local
 
 aten = torch.ops.aten
 
-_CODE_DTYPE = {8: torch.int8, 4: torch.uint8}
 
 
 def _row_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
@@ -78,7 +77,7 @@ def quantize_rows(x: torch.Tensor, block_elems: int, bits: int = 8) -> tuple[tor
     nb = max(1, -(-cols // block_elems))
     width = code_bytes_per_row(cols, bits)
     if rows == 0:
-        return torch.zeros(0, width, dtype=_CODE_DTYPE[bits], device=x.device), torch.zeros(0, nb, device=x.device)
+        return torch.zeros(0, width, dtype=kernels.code_dtype(bits), device=x.device), torch.zeros(0, nb, device=x.device)
     x2 = x.reshape(rows, cols)
     if cols != nb * block_elems:
         x2 = nn.functional.pad(x2, (0, nb * block_elems - cols))
@@ -137,7 +136,7 @@ class QuantizedWeight(torch.Tensor):
         kernels.check_quant_args(block_elems, bits)
         if x.is_meta:  # quantized when initialized (see quantize_frozen)
             rows, cols = _row_shape(x.shape)
-            codes = torch.empty(rows, code_bytes_per_row(cols, bits), dtype=_CODE_DTYPE[bits], device="meta")
+            codes = torch.empty(rows, code_bytes_per_row(cols, bits), dtype=kernels.code_dtype(bits), device="meta")
             scales = torch.empty(rows, max(1, -(-cols // block_elems)), device="meta")
         else:
             codes, scales = quantize_rows(x.detach(), block_elems, bits)

@@ -158,12 +158,15 @@ def model_shape(root: nn.Module, *, wrap_modules: tuple[str, ...], wrap_min_para
         for key, index in owner.items():
             sizes[index] += params[key].numel() if key in params else 0
         blocks = sizes[1:] if groups[0] is root else sizes  # the root's own group is not a block
-    else:
-        blocks = [sum(p.numel() for p in b.parameters())
-                  for b in select_blocks(root, wrap_modules=wrap_modules, wrap_min_params=wrap_min_params)]
+    else:  # stage 1: the blocks activation checkpointing would choose
+        try:
+            chosen = select_blocks(root, wrap_modules=wrap_modules, wrap_min_params=wrap_min_params)
+        except ValueError:  # wrap_modules naming classes this model lacks: stage 1 runs without blocks
+            chosen = select_blocks(root, wrap_modules=(), wrap_min_params=wrap_min_params)
+        blocks = [sum(p.numel() for p in b.parameters()) for b in chosen]
     total = sum(p.numel() for p in params.values())
-    config = getattr(root, "config", None)
     user = root.module if isinstance(root, ShardedRoot) else root
+    config = getattr(user, "config", None)
     cls = next(c for c in type(user).__mro__ if not issubclass(c, FSDPModule))  # FSDP2's FSDP<Name>: <Name>
     return ModelShape(name=cls.__name__, params=total,
                       trainable=sum(p.numel() for p in params.values() if p.requires_grad),
