@@ -821,6 +821,16 @@ def test_plan_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
     assert "| zeropp_stage_3 |" in out and out.strip().splitlines()[-1].startswith("recommended: zeropp")
 
 
+@covers(("docs/plan.md", "zeropp plan tiny --nodes 2 --gpus-per-node 8 --with stage=1,offload_optimizer=cpu --explain"))
+def test_plan_explain_example_prints_what_the_page_shows(capsys: pytest.CaptureFixture[str]) -> None:
+    from zeropp_strategy.cli import main
+
+    assert main(["plan", "tiny", "--nodes", "2", "--gpus-per-node", "8", "--with", "stage=1,offload_optimizer=cpu",
+                 "--explain"]) == 0
+    shown = fence("docs/plan.md", "stage=1,offload_optimizer=cpu:").body.strip()
+    assert shown in capsys.readouterr().out
+
+
 @covers(("docs/rlhf.md", 'zeropp chat runs/pipeline/actor --prompt "3+4=" --temperature 0'))
 def test_chat_commands_run(workdir: Path) -> None:
     """rlhf.md's ``zeropp chat`` lines, on a tiny untrained model written by the pipeline's

@@ -193,3 +193,35 @@ def test_a_stage1_model_without_the_named_blocks_is_still_priced() -> None:
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
     shape = model_shape(model, wrap_modules=("GPT2Block",), wrap_min_params=1_000_000)
     assert (shape.name, shape.params, shape.trainable, shape.blocks) == ("Sequential", 2 * 64 * 65, 2 * 64 * 65, 0)
+
+
+def test_explain_answers_what_happens_under_a_config_given_with_with(capsys) -> None:
+    """issue 36: "what happens at stage 1 with CPU optimizer offload?" from `zeropp plan
+    --explain` (the row added with --with, in sentences taken from the plan's decisions)."""
+    from zeropp_strategy.cli import main
+
+    assert main(["plan", "tiny", "--nodes", "2", "--gpus-per-node", "4", "--with", "stage=1,offload_optimizer=cpu",
+                 "--explain"]) == 0
+    out = capsys.readouterr().out
+    row = out[out.index("\nstage=1,offload_optimizer=cpu:\n"):]
+    assert "| stage=1,offload_optimizer=cpu |" in out
+    assert "every rank holds all of them, as DDP does" in row
+    assert "state of its own rows only (1/8), in host memory, stepped on the host CPU" in row
+    assert "updated rows are all-gathered" in row and "Checkpoints: one file, written by rank 0." in row
+    assert main(["plan", "tiny", "--nodes", "2", "--gpus-per-node", "4", "--explain", "zeropp"]) == 0
+    out = capsys.readouterr().out
+    assert "secondary shard inside each group of 4 ranks" in out and "int4 codes inside the node and int4 across" in out
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--with", "stage=5"], "--with='stage=5': ZeroConfig.stage=5"),
+    (["--with", "stage"], "--with='stage': 'stage' is not FIELD=VALUE"),
+    (["--with", "no_such_field=1"], "no_such_field"),
+    (["--explain", "zeropp_stage_9"], "--explain='zeropp_stage_9' is not a row of this table"),
+])
+def test_bad_with_and_explain_are_one_line(argv, message, capsys) -> None:
+    from zeropp_strategy.cli import main
+
+    assert main(["plan", "tiny", "--nodes", "2", "--gpus-per-node", "2", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err and "Fix:" in err, err

@@ -157,8 +157,10 @@ def _one(name: str, cfg: dict[str, Any] | None, m: ModelShape, c: Cluster, w: Wo
     return e
 
 
-def estimate(m: ModelShape, c: Cluster, w: Workload) -> tuple[list[ConfigEstimate], ConfigEstimate | None, str]:
-    """Every config's estimate, the recommended one (or None) and why."""
+def estimate(m: ModelShape, c: Cluster, w: Workload, extra: dict[str, dict[str, Any]] | None = None,
+             ) -> tuple[list[ConfigEstimate], ConfigEstimate | None, str]:
+    """Every config's estimate (and ``extra``'s: name -> ZeroConfig fields), the recommended
+    one (or None) and why."""
     configs = dict(CONFIGS)
     if m.frozen:
         configs.update(FROZEN_CONFIGS)
@@ -167,6 +169,7 @@ def estimate(m: ModelShape, c: Cluster, w: Workload) -> tuple[list[ConfigEstimat
     rows = [_one(name, cfg, m, c, w) for name, cfg in configs.items()]
     if c.world == 1:
         rows = [r for r in rows if r.name == "ddp" or "offload" in r.name]
+    rows += [_one(name, cfg, m, c, w) for name, cfg in (extra or {}).items()]
     fitting = [r for r in rows if r.fits]
     if not fitting:
         return rows, None, ("nothing fits: " + "; ".join(f"{r.name}: {r.why_not}" for r in rows[-2:])
@@ -240,8 +243,53 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
                    "(the base frozen); 0 = full training")
     p.add_argument("--tflops", type=float, default=989.0, help="dense bf16 TFLOP/s per GPU (H100 SXM: 989)")
     p.add_argument("--mfu", type=float, default=0.4, help="the fraction of it compute reaches")
+    p.add_argument("--with", dest="extra", action="append", default=[], metavar="FIELD=VALUE,...",
+                   help="one more row: ZeroConfig fields, e.g. --with stage=1,offload_optimizer=cpu (repeatable)")
+    p.add_argument("--explain", nargs="?", const="", default=None, metavar="CONFIG",
+                   help="after the table, what happens under a config, in sentences: the recommended one and every "
+                        "--with row (no value), one row by name, or 'all'")
     p.add_argument("--json", action="store_true", help="every term as JSON")
     return p
+
+
+def _extra_row(text: str) -> tuple[str, dict[str, Any]]:
+    """``--with stage=1,offload_optimizer=cpu``: the row's name and its ZeroConfig fields
+    (values read as YAML scalars: 1, true, cpu), checked by ZeroConfig."""
+    import yaml
+
+    from zeropp_strategy.errors import UsageError
+
+    fields: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"--with={text!r}: {item!r} is not FIELD=VALUE", "e.g. --with stage=1,offload_optimizer=cpu")
+        fields[key.strip()] = yaml.safe_load(value.strip())
+    if not fields:
+        raise UsageError(f"--with={text!r} names no field", "e.g. --with stage=1,offload_optimizer=cpu")
+    try:
+        ZeroConfig(**{k: v for k, v in fields.items() if v != "nvme"})
+    except (TypeError, ValueError) as e:
+        what, _, fix = str(e).partition(" Fix: ")
+        raise UsageError(f"--with={text!r}: {what.rstrip('.')}", fix.rstrip(".") or "see ZeroConfig's fields "
+                         "in docs/strategy.md") from None
+    return text, fields
+
+
+def explanations(rows: list[ConfigEstimate], best: ConfigEstimate | None, which: str, extra: list[str]) -> str:
+    """``--explain``: the chosen rows' ``explanation``, one paragraph each."""
+    from zeropp_strategy.errors import UsageError
+
+    names = [r.name for r in rows]
+    if which == "all":
+        chosen = rows
+    elif which:
+        if which not in names:
+            raise UsageError(f"--explain={which!r} is not a row of this table", f"use one of {names} or 'all'")
+        chosen = [r for r in rows if r.name == which]
+    else:
+        chosen = [r for r in rows if (best is not None and r is best) or r.name in extra]
+    return "\n\n".join(f"{r.name}:\n" + "\n".join(f"  - {line}" for line in r.explanation) for r in chosen)
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
@@ -270,7 +318,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         raise UsageError(what.rstrip("."), fix.rstrip(".") or "see zeropp plan --help") from None
     work = Workload(micro_batch=args.micro_batch, seq_len=args.seq_len,
                     activation_checkpointing=args.activation_checkpointing)
-    rows, best, why = estimate(shape, cluster, work)
+    extra = dict(_extra_row(text) for text in args.extra)
+    rows, best, why = estimate(shape, cluster, work, extra)
     if args.json:
         print(json.dumps({"model": asdict(shape), "cluster": asdict(cluster), "workload": asdict(work),
                           "configs": [{**asdict(r), "gpu_total": r.gpu_total, "host_total": r.host_total}
@@ -278,4 +327,6 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                           "recommended": best.name if best else None, "why": why}, indent=1))
     else:
         print(table(shape, cluster, work, rows, best, why))
+        if args.explain is not None:
+            print("\n" + explanations(rows, best, args.explain, list(extra)))
     return 0

@@ -89,6 +89,7 @@ __all__ = [
     "ZeroPPPolicy",
     "activations",
     "cost",
+    "explain",
     "policies",
     "resolve",
 ]
@@ -171,7 +172,9 @@ class Plan:
     ``hpz_group``: ranks holding a secondary shard (1 = off); ``reshard_after_forward``: what
     FSDP2 is given (stage 2: False; stage 3: True, or ``hpz_group``); ``quantized_weights`` /
     ``quantized_gradients``: whether qwZ / qgZ quantize anything in this job;
-    ``notes``: one line per fallback, saying why.
+    ``gradient_bits`` / ``gradient_bits_inside``: qgZ's codes across / inside nodes;
+    ``error_feedback``: qgZ keeps its cross-node quantization error; ``frozen_weight_bits``:
+    frozen weights stored at 8 or 4 bits (0: dense); ``notes``: one line per fallback, saying why.
     """
 
     stage: int
@@ -188,6 +191,10 @@ class Plan:
     offload_optimizer: str
     offload_param: str
     notes: tuple[str, ...]
+    gradient_bits: int = 4
+    gradient_bits_inside: int = 4
+    error_feedback: bool = False
+    frozen_weight_bits: int = 0
 
     def describe(self) -> str:
         """One line for the log: the plan's decisions."""
@@ -204,6 +211,61 @@ class Plan:
         if self.offload_optimizer != "none" or self.offload_param != "none":
             parts.append(f"offload optimizer={self.offload_optimizer} param={self.offload_param}")
         return "zeropp plan: " + ", ".join(parts)
+
+
+def explain(plan: Plan | None) -> list[str]:
+    """What happens to each kind of state, in each step, under ``plan`` (None: DDP), in plain
+    sentences: parameters, gradients, optimizer, the collectives on each hop, checkpoints,
+    then the fallbacks. ``zeropp plan --explain`` prints it for every config, and a run's
+    ``explain()`` for its own."""
+    if plan is None:
+        return ["Parameters, gradients and optimizer state: every rank holds all of them (DDP).",
+                "Backward: the gradients are all-reduced in buckets while backward runs; every rank then steps the "
+                "whole optimizer."]
+    N, M, L = plan.world_size, plan.num_nodes, plan.ranks_per_node
+    where = {"none": "on the device", "cpu": "in host memory, stepped on the host CPU",
+             "nvme": "in swap files on NVMe, streamed through host buffers and stepped on the host CPU"}
+    lines = []
+    if plan.stage == 1:
+        lines += [
+            "Parameters: every rank holds all of them, as DDP does.",
+            f"Backward: gradients fill DDP's buckets; each bucket is reduce-scattered by rows as it fills (the "
+            f"bytes of DDP's all-reduce), so each rank ends with the summed rows it owns (1/{N} of each gradient).",
+            f"Optimizer: each rank keeps the state of its own rows only (1/{N}), {where[plan.offload_optimizer]}; "
+            "after its step the updated rows are all-gathered, so every rank again holds every parameter.",
+        ]
+    else:
+        frozen = (f" Frozen weights are stored and gathered as int{plan.frozen_weight_bits} codes."
+                  if plan.frozen_weight_bits else "")
+        held = {"none": "on the device", "cpu": "in host memory, copied to the device for each gather",
+                "nvme": "in memory-mapped swap files on NVMe, read for each gather"}[plan.offload_param]
+        if plan.stage == 2:
+            gathers = ("Forward: each block's parameters are all-gathered before it runs and kept until its backward "
+                       "(one gather per step).")
+        else:
+            again = (f"gathered again in backward from a secondary shard inside each group of {plan.hpz_group} ranks "
+                     "(hpZ: nothing crosses nodes)" if plan.hpz_group > 1 else "gathered again in backward")
+            gathers = (f"Forward: each block's parameters are all-gathered before it runs and freed after; {again}. "
+                       "The outermost group (embeddings, head) stays gathered from forward to backward.")
+        lines += [f"Parameters: sharded, 1/{N} of each FSDP group per rank, {held}.{frozen}", gathers]
+        if plan.quantized_weights:
+            lines.append("qwZ: a gather that spans nodes sends int8 codes with one fp32 scale per block, on both hops; "
+                         "every rank computes with the same dequantized weights.")
+        if plan.quantized_gradients:
+            across = f" and int{plan.gradient_bits} across nodes" if M > 1 else ""
+            kept = (" Each rank keeps the cross-node hop's quantization error and adds it to the next step's "
+                    "(error feedback)." if plan.error_feedback else "")
+            lines.append(f"Backward: gradients are reduce-scattered per block in two hops (qgZ): int"
+                         f"{plan.gradient_bits_inside} codes inside the node{across}, summed in fp32.{kept}")
+        else:
+            lines.append("Backward: gradients are reduce-scattered per block as they are computed"
+                         + (", inside each node first, then across nodes." if M > 1 else "."))
+        lines.append(f"Optimizer: each rank keeps and steps the state of its shard (1/{N}), "
+                     f"{where[plan.offload_optimizer]}.")
+    lines.append("Checkpoints: " + ("one file, written by rank 0." if plan.state_dict_type == "full" else
+                                    "a directory, every rank writing its own shards (resharded on load)."))
+    lines += [f"Topology: {N} rank(s) as {M} node(s) x {L}."] + [f"Fallback: {n}" for n in plan.notes]
+    return lines
 
 
 def resolve(config: ZeroConfig, topology: Topology, *, gather_16bit_default: bool = True) -> Plan:
@@ -252,6 +314,10 @@ def resolve(config: ZeroConfig, topology: Topology, *, gather_16bit_default: boo
         offload_optimizer=config.offload_optimizer.device,
         offload_param=config.offload_param.device,
         notes=tuple(notes),
+        gradient_bits=config.gradient_quant_bits,
+        gradient_bits_inside=config.gradient_quant_bits_intra or config.gradient_quant_bits,
+        error_feedback=quantized_gradients and config.gradient_error_feedback,
+        frozen_weight_bits=config.frozen_weight_bits if config.quantize_frozen_weights and stage > 1 else 0,
     )
 
 
@@ -321,6 +387,7 @@ class ConfigEstimate:
     fits: bool = True
     why_not: str = ""
     notes: list[str] = field(default_factory=list)  # the run's own fallbacks (plan.resolve)
+    explanation: list[str] = field(default_factory=list)  # explain(plan): what happens, in sentences
 
     @property
     def gpu_total(self) -> float:
@@ -391,7 +458,7 @@ def cost(name: str, plan: Plan | None, model: ModelShape, cluster: Cluster, work
     m, c, w = model, cluster, workload
     P, T, F, N, L, M = m.params, m.trainable, m.frozen, c.world, c.gpus_per_node, c.nodes
     A, G, K, C, R = b.param, b.grad, b.optim, b.gather, b.reduce
-    e = ConfigEstimate(name, {})
+    e = ConfigEstimate(name, {}, explanation=explain(plan))
     stage, qw, hpz_group, qg, opt_off, par_off = 0, False, 1, False, "none", "none"
     if plan is not None:
         stage, qw, hpz_group, qg = plan.stage, plan.quantized_weights, plan.hpz_group, plan.quantized_gradients

@@ -68,6 +68,7 @@ from zeropp_strategy.engine.precision import (
 from zeropp_strategy.engine.process_group import check_offload_paths, connect, destroy_at_exit
 from zeropp_strategy.fsdp_private import keep_unsharded_after_forward
 from zeropp_strategy.plan import ByteModel, Cluster, ConfigEstimate, Plan, cost
+from zeropp_strategy.plan import explain as explain_plan
 from zeropp_strategy.topology import Meshes, Topology
 
 __all__ = ["GradSync", "ZeroSession"]
@@ -278,7 +279,7 @@ class ZeroSession:
                           "run's plan.", DeprecationWarning, stacklevel=2)
             self.explain_failure(exception)
             return ""
-        lines = [self.plan.describe()] + [f"note: {note}" for note in self.plan.notes]
+        lines = [self.plan.describe()] + [f"  - {line}" for line in explain_plan(self.plan)]
         b = ByteModel.of(self.config, self.precision.precision, self.plan)
         lines.append(f"bytes per element: parameters {b.param:g}, gradients {b.grad:g}, optimizer {b.optim:g}, "
                      f"gathers {b.gather:g}, reduces {b.reduce:g}"
