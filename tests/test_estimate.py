@@ -207,15 +207,19 @@ def test_explain_answers_what_happens_under_a_config_given_with_with(capsys) -> 
     assert "| stage=1,offload_optimizer=cpu |" in out
     assert "every rank holds all of them, as DDP does" in row
     assert "state of its own rows only (1/8), in host memory, stepped on the host CPU" in row
-    assert "updated rows are all-gathered" in row and "Checkpoints: one file, written by rank 0." in row
+    assert "updated rows go to every rank: they are all-gathered before the step returns" in row
+    assert "Checkpoints: one file, written by rank 0." in row
     assert main(["plan", "tiny", "--nodes", "2", "--gpus-per-node", "4", "--explain", "zeropp"]) == 0
     out = capsys.readouterr().out
-    assert "secondary shard inside each group of 4 ranks" in out and "int4 codes inside the node and int4 across" in out
+    assert "secondary shard held by each group of 4 ranks (hpZ, inside the node: nothing crosses nodes)" in out
+    assert "int4 codes inside the node and int4 across" in out
 
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["--with", "stage=5"], "--with='stage=5': ZeroConfig.stage=5"),
-    (["--with", "stage"], "--with='stage': 'stage' is not FIELD=VALUE"),
+    (["--with", "stage"], "--with='stage' is not a list of FIELD=VALUE"),
+    (["--with", "offload_optimizer=nvme"], "offload_optimizer='nvme' needs a drive"),
+    (["--with", "wrap_modules=[A"], "is not a list of FIELD=VALUE"),
     (["--with", "no_such_field=1"], "no_such_field"),
     (["--explain", "zeropp_stage_9"], "--explain='zeropp_stage_9' is not a row of this table"),
 ])

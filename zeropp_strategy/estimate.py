@@ -252,26 +252,31 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
     return p
 
 
-def _extra_row(text: str) -> tuple[str, dict[str, Any]]:
-    """``--with stage=1,offload_optimizer=cpu``: the row's name and its ZeroConfig fields
-    (values read as YAML scalars: 1, true, cpu), checked by ZeroConfig."""
+def _extra_row(text: str, cluster: Cluster) -> tuple[str, dict[str, Any]]:
+    """``--with stage=1,offload_optimizer=cpu``: the row's name and its ZeroConfig fields (one
+    YAML flow mapping, so ``wrap_modules=[A,B]`` is a list), checked as the run would check
+    them on this cluster: ZeroConfig, then ``validate_for_world``."""
     import yaml
 
     from zeropp_strategy.errors import UsageError
 
-    fields: dict[str, Any] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise UsageError(f"--with={text!r}: {item!r} is not FIELD=VALUE", "e.g. --with stage=1,offload_optimizer=cpu")
-        fields[key.strip()] = yaml.safe_load(value.strip())
-    if not fields:
-        raise UsageError(f"--with={text!r} names no field", "e.g. --with stage=1,offload_optimizer=cpu")
+    fix = "e.g. --with stage=1,offload_optimizer=cpu (values as YAML: 1, true, cpu, [A,B])"
     try:
-        ZeroConfig(**{k: v for k, v in fields.items() if v != "nvme"})
+        fields = yaml.safe_load("{" + re.sub(r"(^|,)\s*([A-Za-z_]\w*)\s*=", r"\1\2: ", text) + "}")
+    except yaml.YAMLError:
+        fields = None
+    if not isinstance(fields, dict) or not fields or any(v is None and f"{k}=" not in text for k, v in fields.items()):
+        raise UsageError(f"--with={text!r} is not a list of FIELD=VALUE", fix)
+    try:
+        offload = {k for k in ("offload_optimizer", "offload_param") if fields.get(k) == "nvme"}
+        if offload and not cluster.nvme:
+            raise ValueError(f"{sorted(offload)[0]}='nvme' needs a drive. Fix: add --nvme PATH.")
+        config = ZeroConfig(**{k: ({"device": v, "nvme_path": cluster.nvme} if k in offload else v)
+                               for k, v in fields.items()})
+        config.validate_for_world(cluster.world, cluster.gpus_per_node)
     except (TypeError, ValueError) as e:
-        what, _, fix = str(e).partition(" Fix: ")
-        raise UsageError(f"--with={text!r}: {what.rstrip('.')}", fix.rstrip(".") or "see ZeroConfig's fields "
+        what, _, why = str(e).partition(" Fix: ")
+        raise UsageError(f"--with={text!r}: {what.rstrip('.')}", why.rstrip(".") or "see ZeroConfig's fields "
                          "in docs/strategy.md") from None
     return text, fields
 
@@ -289,6 +294,8 @@ def explanations(rows: list[ConfigEstimate], best: ConfigEstimate | None, which:
         chosen = [r for r in rows if r.name == which]
     else:
         chosen = [r for r in rows if (best is not None and r is best) or r.name in extra]
+        if not chosen:
+            return "nothing fits, so no config is recommended: --explain NAME explains one row, --explain all each."
     return "\n\n".join(f"{r.name}:\n" + "\n".join(f"  - {line}" for line in r.explanation) for r in chosen)
 
 
@@ -318,7 +325,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         raise UsageError(what.rstrip("."), fix.rstrip(".") or "see zeropp plan --help") from None
     work = Workload(micro_batch=args.micro_batch, seq_len=args.seq_len,
                     activation_checkpointing=args.activation_checkpointing)
-    extra = dict(_extra_row(text) for text in args.extra)
+    extra = dict(_extra_row(text, cluster) for text in args.extra)
     rows, best, why = estimate(shape, cluster, work, extra)
     if args.json:
         print(json.dumps({"model": asdict(shape), "cluster": asdict(cluster), "workload": asdict(work),

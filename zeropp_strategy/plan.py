@@ -174,7 +174,8 @@ class Plan:
     ``quantized_gradients``: whether qwZ / qgZ quantize anything in this job;
     ``gradient_bits`` / ``gradient_bits_inside``: qgZ's codes across / inside nodes;
     ``error_feedback``: qgZ keeps its cross-node quantization error; ``frozen_weight_bits``:
-    frozen weights stored at 8 or 4 bits (0: dense); ``notes``: one line per fallback, saying why.
+    frozen weights stored at 8 or 4 bits (0: dense); ``overlap_param_gather``: stage 1's
+    post-step gather finishes during the next forward; ``notes``: one line per fallback, saying why.
     """
 
     stage: int
@@ -195,6 +196,7 @@ class Plan:
     gradient_bits_inside: int = 4
     error_feedback: bool = False
     frozen_weight_bits: int = 0
+    overlap_param_gather: bool = False
 
     def describe(self) -> str:
         """One line for the log: the plan's decisions."""
@@ -223,45 +225,71 @@ def explain(plan: Plan | None) -> list[str]:
                 "Backward: the gradients are all-reduced in buckets while backward runs; every rank then steps the "
                 "whole optimizer."]
     N, M, L = plan.world_size, plan.num_nodes, plan.ranks_per_node
-    where = {"none": "on the device", "cpu": "in host memory, stepped on the host CPU",
-             "nvme": "in swap files on NVMe, streamed through host buffers and stepped on the host CPU"}
+    host_step = {"cpu": "in host memory, stepped on the host CPU",
+                 "nvme": "in swap files on NVMe, streamed through host buffers and stepped on the host CPU"}
+    two_hops = (" (on gloo in two hops, inside each node first, then across nodes; on GPUs NCCL's own collective)"
+                if M > 1 else "")
     lines = []
     if plan.stage == 1:
+        after = ("they are all-gathered in the background and the next forward waits for each bucket's rows "
+                 "(overlap_param_gather)" if plan.overlap_param_gather else
+                 "they are all-gathered before the step returns, so every rank again holds every parameter")
         lines += [
             "Parameters: every rank holds all of them, as DDP does.",
-            f"Backward: gradients fill DDP's buckets; each bucket is reduce-scattered by rows as it fills (the "
-            f"bytes of DDP's all-reduce), so each rank ends with the summed rows it owns (1/{N} of each gradient).",
-            f"Optimizer: each rank keeps the state of its own rows only (1/{N}), {where[plan.offload_optimizer]}; "
-            "after its step the updated rows are all-gathered, so every rank again holds every parameter.",
+            f"Backward: gradients fill DDP's buckets; each bucket is reduce-scattered by rows as it fills{two_hops}, "
+            f"so each rank ends with the averaged rows it owns (1/{N} of each gradient). With the post-step gather "
+            "below, the bytes equal DDP's all-reduce.",
+            f"Optimizer: each rank keeps the state of its own rows only (1/{N}), "
+            f"{host_step.get(plan.offload_optimizer, 'on the device')}; after its step the updated rows go to every "
+            f"rank: {after}.",
         ]
     else:
-        frozen = (f" Frozen weights are stored and gathered as int{plan.frozen_weight_bits} codes."
-                  if plan.frozen_weight_bits else "")
+        frozen = (f" Frozen weights, if any, are stored and gathered as int{plan.frozen_weight_bits} codes (a weight "
+                  "whose rows do not divide evenly stays dense)." if plan.frozen_weight_bits else "")
         held = {"none": "on the device", "cpu": "in host memory, copied to the device for each gather",
                 "nvme": "in memory-mapped swap files on NVMe, read for each gather"}[plan.offload_param]
         if plan.stage == 2:
             gathers = ("Forward: each block's parameters are all-gathered before it runs and kept until its backward "
-                       "(one gather per step).")
+                       f"(one gather per step){two_hops}.")
         else:
-            again = (f"gathered again in backward from a secondary shard inside each group of {plan.hpz_group} ranks "
-                     "(hpZ: nothing crosses nodes)" if plan.hpz_group > 1 else "gathered again in backward")
-            gathers = (f"Forward: each block's parameters are all-gathered before it runs and freed after; {again}. "
-                       "The outermost group (embeddings, head) stays gathered from forward to backward.")
+            if plan.hpz_group > 1 and plan.frozen_weight_bits:
+                again = ("gathered again in backward from every rank: hpZ keeps no secondary shard of a block "
+                         "holding frozen codes (other blocks: from the secondary shard of their group of "
+                         f"{plan.hpz_group} ranks)")
+            elif plan.hpz_group > 1:
+                where = ("inside the node: nothing crosses nodes" if plan.hpz_group <= L else
+                         f"a group spanning {plan.hpz_group // L} nodes")
+                again = (f"gathered again in backward from a secondary shard held by each group of {plan.hpz_group} "
+                         f"ranks (hpZ, {where})")
+            else:
+                again = "gathered again in backward"
+            gathers = (f"Forward: each block's parameters are all-gathered before it runs{two_hops} and freed after; "
+                       f"{again}. The parameters outside the blocks (usually the embeddings and the head) stay "
+                       "gathered from forward to backward.")
         lines += [f"Parameters: sharded, 1/{N} of each FSDP group per rank, {held}.{frozen}", gathers]
         if plan.quantized_weights:
             lines.append("qwZ: a gather that spans nodes sends int8 codes with one fp32 scale per block, on both hops; "
                          "every rank computes with the same dequantized weights.")
-        if plan.quantized_gradients:
-            across = f" and int{plan.gradient_bits} across nodes" if M > 1 else ""
-            kept = (" Each rank keeps the cross-node hop's quantization error and adds it to the next step's "
+        small = ("Tensors below quantize_min_elems, and non-float ones, take the plain reduce-scatter in the reduce "
+                 "dtype.")
+        if plan.quantized_gradients and M > 1:
+            kept = (" Each rank keeps the cross-node hop's quantization error and adds it to its next reduction "
                     "(error feedback)." if plan.error_feedback else "")
             lines.append(f"Backward: gradients are reduce-scattered per block in two hops (qgZ): int"
-                         f"{plan.gradient_bits_inside} codes inside the node{across}, summed in fp32.{kept}")
+                         f"{plan.gradient_bits_inside} codes inside the node and int{plan.gradient_bits} across "
+                         f"nodes, summed in fp32.{kept} {small}")
+        elif plan.quantized_gradients:
+            lines.append(f"Backward: gradients are reduce-scattered per block as int{plan.gradient_bits_inside} codes "
+                         f"in one hop inside the node (qgZ on a single node), summed in fp32. {small}")
         else:
-            lines.append("Backward: gradients are reduce-scattered per block as they are computed"
-                         + (", inside each node first, then across nodes." if M > 1 else "."))
-        lines.append(f"Optimizer: each rank keeps and steps the state of its shard (1/{N}), "
-                     f"{where[plan.offload_optimizer]}.")
+            lines.append(f"Backward: gradients are reduce-scattered per block as they are computed{two_hops}.")
+        if plan.offload_optimizer != "none":
+            optimizer = host_step[plan.offload_optimizer]
+        elif plan.offload_param != "none":
+            optimizer = "in host memory, beside the offloaded shards and their gradients, stepped on the host CPU"
+        else:
+            optimizer = "on the device"
+        lines.append(f"Optimizer: each rank keeps and steps the state of its shard (1/{N}), {optimizer}.")
     lines.append("Checkpoints: " + ("one file, written by rank 0." if plan.state_dict_type == "full" else
                                     "a directory, every rank writing its own shards (resharded on load)."))
     lines += [f"Topology: {N} rank(s) as {M} node(s) x {L}."] + [f"Fallback: {n}" for n in plan.notes]
@@ -316,8 +344,9 @@ def resolve(config: ZeroConfig, topology: Topology, *, gather_16bit_default: boo
         notes=tuple(notes),
         gradient_bits=config.gradient_quant_bits,
         gradient_bits_inside=config.gradient_quant_bits_intra or config.gradient_quant_bits,
-        error_feedback=quantized_gradients and config.gradient_error_feedback,
+        error_feedback=quantized_gradients and not one_node and config.gradient_error_feedback,  # one node: no cross hop
         frozen_weight_bits=config.frozen_weight_bits if config.quantize_frozen_weights and stage > 1 else 0,
+        overlap_param_gather=stage == 1 and config.overlap_param_gather,
     )
 
 
@@ -488,6 +517,8 @@ def cost(name: str, plan: Plan | None, model: ModelShape, cluster: Cluster, work
         else:
             e.disk += sum(state.values()) * L
             e.host["nvme_buffers"] = min(sum(state.values()), 2 * 2**30)  # staging, as the memory plan sizes it
+    if par_off != "none" and opt_off == "none":  # FSDP2's CPUOffloadPolicy: the step runs beside the shards
+        e.host.update(optimizer=e.gpu.pop("optimizer"), gradients=e.gpu.pop("gradients"))
     if par_off != "none":
         shard = e.gpu.pop("parameters")
         if par_off == "cpu":
@@ -520,8 +551,11 @@ def cost(name: str, plan: Plan | None, model: ModelShape, cluster: Cluster, work
         e.intra_bytes, e.inter_bytes = gather_wire * inside, gather_wire * across  # forward gather
         if stage == 3:
             blocks = 1 - m.root_params / P  # the root is not gathered again in backward
-            if hpz_group > 1:  # from the secondary shard, inside the hpZ group
+            if 1 < hpz_group <= L:  # from the secondary shard, inside the node
                 e.intra_bytes += gather_plain * blocks * (hpz_group - 1) / hpz_group
+            elif hpz_group > L:  # a group of whole nodes: a two-hop gather over H ranks, quantized if qwZ
+                e.intra_bytes += gather_wire * blocks * inside
+                e.inter_bytes += gather_wire * blocks * (hpz_group // L - 1) / hpz_group
             else:
                 e.intra_bytes += gather_wire * blocks * inside
                 e.inter_bytes += gather_wire * blocks * across

@@ -247,8 +247,8 @@ class ZeroSession:
         config, topo = self.config, self.topology
         try:
             shape = model_shape(module, wrap_modules=config.wrap_modules, wrap_min_params=config.wrap_min_params)
-        except ValueError as err:  # e.g. wrap_modules that match nothing in a stage-1 model (no blocks needed)
-            self.engine.info(f"zeropp plan: {type(module).__name__} not priced: {err}")
+        except Exception as err:  # noqa: BLE001 - a diagnostic; the run goes on without it
+            self.engine.info(f"zeropp plan: {type(module).__name__} not priced: {type(err).__name__}: {err}")
             return
         cluster = Cluster(nodes=topo.num_nodes, gpus_per_node=topo.ranks_per_node, gpu_memory=_device_memory(self.device),
                           host_memory=_host_memory(), link=math.inf, intra_link=math.inf)
@@ -260,7 +260,8 @@ class ZeroSession:
             name, n = f"{shape.name} #{n}", n + 1
         self._estimates[name] = estimate
         self.engine.info(_one_line(name, shape.params, shape.trainable, topo, estimate))
-        log.debug("%s", self.explain())
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("%s", self.explain())
 
     def estimates(self) -> dict[str, ConfigEstimate]:
         """What the plan costs each model prepared for training, by the model's class name:

@@ -267,9 +267,9 @@ class StrategyMixin(CheckpointMixin, EvaluationMixin, ProcessMixin):
             # fit, a broadcast) then gives every replica rank 0's values.
             self.model = self.session.prepare(self.model, train=fitting)
         else:
-            if self._fsdp_root is None or self._fsdp_root.module is not self.model:
-                self._fsdp_root = self.session.prepare(self.model, own_root=True,  # type: ignore[assignment]
-                                                       train=fitting)  # at stages 2/3: priced only to train
+            # Idempotent: a model set up by validate is returned as it is (and priced when fit follows).
+            self._fsdp_root = self.session.prepare(self.model, own_root=True,  # type: ignore[assignment]
+                                                   train=fitting)  # at stages 2/3: priced only to train
             self.session.module_to_device(self._fsdp_root)
             _evaluate_under_no_grad(trainer)
         if fitting:

@@ -206,7 +206,7 @@ class ZeroEngine:
                     wire_dtype=self.reduce_dtype(),
                     feedback=ErrorFeedback(beta=cfg.gradient_error_beta, reset_steps=cfg.gradient_error_reset_steps,
                                            layout=(topo.num_nodes, topo.ranks_per_node))
-                    if cfg.gradient_error_feedback else None,
+                    if self.plan.error_feedback else None,
                 )
 
             reduce_scatter = quantized_reduce_scatter
