@@ -247,14 +247,15 @@ class ZeroSession:
         config, topo = self.config, self.topology
         try:
             shape = model_shape(module, wrap_modules=config.wrap_modules, wrap_min_params=config.wrap_min_params)
+            cluster = Cluster(nodes=topo.num_nodes, gpus_per_node=topo.ranks_per_node,
+                              gpu_memory=_device_memory(self.device), host_memory=_host_memory(), link=math.inf,
+                              intra_link=math.inf)
+            frozen_bits = config.frozen_weight_bits if config.quantize_frozen_weights else 0
+            estimate = cost(f"stage {self.stage}", self.plan, shape, cluster, None, frozen_bits=frozen_bits,
+                            b=ByteModel.of(config, self.precision.precision, self.plan))
         except Exception as err:  # noqa: BLE001 - a diagnostic; the run goes on without it
             self.engine.info(f"zeropp plan: {type(module).__name__} not priced: {type(err).__name__}: {err}")
             return
-        cluster = Cluster(nodes=topo.num_nodes, gpus_per_node=topo.ranks_per_node, gpu_memory=_device_memory(self.device),
-                          host_memory=_host_memory(), link=math.inf, intra_link=math.inf)
-        frozen_bits = config.frozen_weight_bits if config.quantize_frozen_weights else 0
-        estimate = cost(f"stage {self.stage}", self.plan, shape, cluster, None, frozen_bits=frozen_bits,
-                        b=ByteModel.of(config, self.precision.precision, self.plan))
         name, n = shape.name, 2
         while name in self._estimates:
             name, n = f"{shape.name} #{n}", n + 1
@@ -463,8 +464,9 @@ def _one_line(name: str, params: int, trainable: int, topo: Topology, e: ConfigE
             f"node(s) x {topo.ranks_per_node} rank(s): per rank {device}{_size(working)} gathered and buckets"
             + (f", {_size(host)} on the host" if host else "")
             + (f", {_size(e.disk)} on NVMe per node" if e.disk else "")
-            + f"; per step {_traffic(e.intra_bytes)} inside the node and {_traffic(e.inter_bytes)} across nodes "
-            "(estimated, no activations; explain() has every term)")
+            + f"; per step {_traffic(e.intra_bytes)} inside the node and "
+            + (f"{_traffic(e.inter_bytes)} across nodes " if e.inter_bytes else "nothing across nodes ")
+            + "(estimated, no activations; explain() has every term)")
 
 
 def _device_memory(device: torch.device) -> int:
