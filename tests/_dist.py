@@ -19,10 +19,10 @@ Start method. A "spawn" rank imports torch, Lightning and this package afresh: 1
 for 2 ranks on the 2-core CI machine before the worker's first line, on every call
 (`python benchmarks/spawn_cost.py`). ``ZEROPP_TEST_START=forkserver`` forks the ranks
 from a server that has imported them once (``_PRELOAD``; the suite in 934 s instead of
-1886 s), but it is not the default: in one of three full runs a forked rank aborted with
+1886 s), but it is not the default: in one of four full runs a forked rank aborted with
 glibc's "malloc(): unaligned tcache chunk detected" (tests/test_checkpoint_faults.py,
-Accelerate and Fabric in one worker; it passed 3 of 3 times on its own), and the cause is
-not found. With the forkserver: a child gets the parent's sys.path and
+Accelerate and Fabric in one worker; that worker then passed 72 forked runs on its own, 60
+of them two at a time on 2 cores), and the cause is not found. With the forkserver: a child gets the parent's sys.path and
 working directory from multiprocessing, and the parent's environment as it is at the
 call (the forkserver's own is the one it started with), applied before the worker runs.
 What the preloaded modules read from the environment at import (transformers' and
