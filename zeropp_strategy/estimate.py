@@ -169,10 +169,11 @@ def estimate(m: ModelShape, c: Cluster, w: Workload, extra: dict[str, dict[str, 
     rows = [_one(name, cfg, m, c, w) for name, cfg in configs.items()]
     if c.world == 1:
         rows = [r for r in rows if r.name == "ddp" or "offload" in r.name]
+    largest = rows[-2:]  # the configs that need the least GPU memory: the offload rows
     rows += [_one(name, cfg, m, c, w) for name, cfg in (extra or {}).items()]
     fitting = [r for r in rows if r.fits]
     if not fitting:
-        return rows, None, ("nothing fits: " + "; ".join(f"{r.name}: {r.why_not}" for r in rows[-2:])
+        return rows, None, ("nothing fits: " + "; ".join(f"{r.name}: {r.why_not}" for r in largest)
                             + ". Fix: more GPUs or nodes, a smaller micro-batch, activation checkpointing, "
                               "or LoRA on a frozen int4 base")
     fastest = min(r.step_s for r in fitting)
@@ -327,6 +328,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                     activation_checkpointing=args.activation_checkpointing)
     extra = dict(_extra_row(text, cluster) for text in args.extra)
     rows, best, why = estimate(shape, cluster, work, extra)
+    if args.explain:  # a row's name is checked under --json too
+        explanations(rows, best, args.explain, list(extra))
     if args.json:
         print(json.dumps({"model": asdict(shape), "cluster": asdict(cluster), "workload": asdict(work),
                           "configs": [{**asdict(r), "gpu_total": r.gpu_total, "host_total": r.host_total}
