@@ -508,8 +508,8 @@ def cost(name: str, plan: Plan | None, model: ModelShape, cluster: Cluster, work
         else:
             e.gpu["gathered"] = C * (m.root_params + 2 * m.largest_block)
         e.gpu["unsharded_gradients"] = G * min(T, max(m.largest_block, m.root_params))
-        if hpz_group > 1:  # the secondary shard, in the gather's dtype (frozen codes as stored)
-            e.gpu["hpz_secondary"] = ((F * FROZEN[frozen_bits] + C * T) if frozen_bits else C * P) / hpz_group
+        if hpz_group > 1:  # the secondary shard, in the gather's dtype (never with frozen codes: hpZ is off there)
+            e.gpu["hpz_secondary"] = C * P / hpz_group
     if opt_off != "none":
         state = {"optimizer": e.gpu.pop("optimizer"), "gradients": e.gpu.pop("gradients")}
         if opt_off == "cpu":
