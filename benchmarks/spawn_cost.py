@@ -1,13 +1,14 @@
-"""What starting the test ranks costs: ``tests/_dist.run_ranks`` under "spawn" and under
-"forkserver" (the suite's start method), side by side in one run.
+"""What starting the test ranks costs: ``tests/_dist.run_ranks`` with its rank pool (the
+suite's default), under "spawn" and under "forkserver", side by side in one run.
 
     python benchmarks/spawn_cost.py [--calls 5] [--json benchmarks/results/spawn_cost.json]
 
 Each call starts 2 (then 4) ranks whose worker imports what the suite's workers import
 (Lightning and this package) and returns. A "spawn" rank imports them afresh on every
 call; a "forkserver" rank is forked from a server that imported them once, on the first
-call (reported on its own). Prints one line per method: the first call and the median
-and range of the others, in seconds.
+call (reported on its own); a "pool" rank is a process spawned at the first call and
+reused by the others. Prints one line per method: the first call and the median and range
+of the others, in seconds.
 """
 
 from __future__ import annotations
@@ -57,9 +58,8 @@ def main() -> None:
 
     result = {"command": "python benchmarks/spawn_cost.py " + " ".join(sys.argv[1:]),
               "machine": f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}",
-              "spawn": _measure("spawn", args.calls)}
-    result["forkserver"] = _measure("forkserver", args.calls)
-    for method in ("spawn", "forkserver"):
+              **{method: _measure(method, args.calls) for method in ("pool", "spawn", "forkserver")}}
+    for method in ("pool", "spawn", "forkserver"):
         for world, r in result[method].items():
             print(f"{method:10s} {world}: first call {r['first_s']:.2f} s, then median {r['median_s']:.2f} s "
                   f"({r['min_s']:.2f}-{r['max_s']:.2f})")

@@ -1,11 +1,11 @@
-"""Spawn N gloo ranks on 127.0.0.1 for one test, with a hard timeout.
+"""N gloo ranks on 127.0.0.1 for one test, with a hard timeout.
 
     results = run_ranks(worker, world_size=4, args=(tmp_path,), timeout_s=120)
 
-``worker(rank, world_size, *args)`` runs in a fresh process (start method "spawn"; see
-below for "forkserver") with the environment a launcher would give it (MASTER_ADDR/PORT, RANK, WORLD_SIZE,
-LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK), so Lightning's ``LightningEnvironment`` sees
-externally created processes and ``Trainer(devices=world_size)`` joins them. With
+``worker(rank, world_size, *args)`` runs in a process of its own per rank with the
+environment a launcher would give it (MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK,
+LOCAL_WORLD_SIZE, NODE_RANK), so Lightning's ``LightningEnvironment`` sees externally
+created processes and ``Trainer(devices=world_size)`` joins them. With
 ``init_process_group=True`` the harness also creates the default gloo group before
 calling the worker (for engine tests that use no Trainer).
 
@@ -15,30 +15,47 @@ after ``timeout_s`` is killed with the others and the test fails instead of hang
 Ranks share one machine, so each is pinned to one intra-op thread: with 4 ranks on
 2 cores, more threads only thrash.
 
-Start method. A "spawn" rank imports torch, Lightning and this package afresh: 11-12 s
-for 2 ranks on the 2-core CI machine before the worker's first line, on every call
-(`python benchmarks/spawn_cost.py`). ``ZEROPP_TEST_START=forkserver`` forks the ranks
-from a server that has imported them once (``_PRELOAD``; the suite in 934 s instead of
-1886 s), but it is not the default: in one of four full runs a forked rank aborted with
-glibc's "malloc(): unaligned tcache chunk detected" (tests/test_checkpoint_faults.py,
-Accelerate and Fabric in one worker; that worker then passed 72 forked runs on its own, 60
-of them two at a time on 2 cores), and the cause is not found. With the forkserver: a child gets the parent's sys.path and
-working directory from multiprocessing, and the parent's environment as it is at the
-call (the forkserver's own is the one it started with), applied before the worker runs.
-What the preloaded modules read from the environment at import (transformers' and
-huggingface_hub's ``HF_*``, torch's dynamo/inductor settings, ``TMPDIR``) is the
-forkserver's, fixed at the first call; no test passes such a variable today (the one
-passed, ``ACCELERATE_USE_CPU``, is read at run time). Forked ranks also share the hash
-seed and the memory layout, which real ranks do not: code that orders collectives by
-iterating a set of strings or by ``id()`` would pass there and diverge under torchrun:
-one more reason spawn stays the default. A forked child leaves through ``os._exit``,
-which skips the interpreter's exit, so ``_entry`` does what that exit does, in its
-order: join the non-daemon threads, run the atexit handlers, then destroy a process
-group still left (spawned ranks do the same, before their own exit).
+[Note: the rank pool]
+A freshly spawned rank imports torch, Lightning and this package before the worker's
+first line: 11-12 s for 2 ranks on the 2-core CI machine, on every call (``python
+benchmarks/spawn_cost.py``), about half of the suite's time. So by default the ranks run
+in a pool of 4 processes spawned once (``_Pool``; spawned, not forked: each has its own
+hash seed and memory layout, as ranks under torchrun do) and reused by every call; rank
+r of a call runs in process r. Between calls a process is left as a fresh one would be
+(``_exit_like``): the worker's non-daemon threads joined (a thread still running 30 s
+later fails that call), the exit hooks that this package and the tests registered during
+the call run (the orderly exit that stops comm threads and destroys the groups;
+``_record_exit_hooks``), every process group destroyed, this package's
+once-per-process hooks re-armed, Accelerate's process-wide state reset, the warnings'
+once-registries cleared (a warning a
+test expects is shown again), the working directory, torch's default dtype and grad mode
+restored; each call starts with the caller's environment and torch's default seed, as a
+fresh process does. What a module reads at import is read once per pool, as under the
+forkserver below; no test passes such a variable (the one passed, ``ACCELERATE_USE_CPU``,
+is read at run time). A failed or timed-out call kills the whole pool (its ranks may be
+stuck in a collective, or hold the failure's state) and the next call spawns a new one.
+``fresh=True`` runs a call in processes of its own, for a worker that tests what happens
+once per process or at its exit. The offload tests with NVMe-offloaded fits take it: the
+pool found that such a fit's ``OffloadOptimizer`` stays alive after the worker returns
+(reachable from no module and no thread's frame, so through a reference torch's C++
+holds, a tensor hook's closure most likely), and with it its swap threads and files until
+the process exits, which these tests then check.
+
+``ZEROPP_TEST_START=spawn`` starts fresh processes for every call (the suite before the
+pool: 1748-1906 s). ``ZEROPP_TEST_START=forkserver`` forks them from a server that has
+imported ``_PRELOAD`` once (934 s), but in one of four full runs a forked rank aborted
+with glibc's "malloc(): unaligned tcache chunk detected" (tests/test_checkpoint_faults.py,
+Accelerate and Fabric in one worker; that worker then passed 72 forked runs on its own,
+60 of them two at a time on 2 cores), and the cause is not found. Forked ranks also share
+the hash seed and the memory layout, which real ranks do not. A forked child leaves
+through ``os._exit``, which skips the interpreter's exit, so ``_entry`` does what that
+exit does, in its order: join the non-daemon threads, run the atexit handlers, then
+destroy a process group still left (spawned ranks do the same, before their own exit).
 """
 
 from __future__ import annotations
 
+import importlib
 import multiprocessing as mp
 import os
 import pickle
@@ -81,25 +98,15 @@ def free_port() -> int:
 _PRELOAD = ["torch", "torch.distributed", "lightning.pytorch", "zeropp_strategy", "tests._models"]
 
 
-def _context() -> mp.context.BaseContext:
-    method = os.environ.get("ZEROPP_TEST_START", "spawn")
+def _context(method: str) -> mp.context.BaseContext:
     ctx = mp.get_context(method)
     if method == "forkserver":
         ctx.set_forkserver_preload(_PRELOAD)  # takes effect when the server starts: the first call
     return ctx
 
 
-def _entry(
-    fn: Callable[..., Any],
-    rank: int,
-    world_size: int,
-    port: int,
-    args: tuple,
-    env: dict[str, str],
-    init_process_group: bool,
-    out: mp.Queue,
-) -> None:
-    os.environ.clear()  # the caller's environment at the call, not the forkserver's
+def _setup_rank(rank: int, world_size: int, port: int, env: dict[str, str]) -> None:
+    os.environ.clear()  # the caller's environment at the call, not the server's or the last call's
     os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -111,6 +118,11 @@ def _entry(
         NODE_RANK="0",
         GLOO_SOCKET_IFNAME=env.get("GLOO_SOCKET_IFNAME", "lo"),
     )
+
+
+def _run_one(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple,
+             init_process_group: bool) -> tuple[bool, Any]:
+    """The worker's call: (True, its pickled result) or (False, the traceback)."""
     import torch
 
     torch.set_num_threads(1)
@@ -125,12 +137,27 @@ def _entry(
                 world_size=world_size,
                 timeout=timedelta(seconds=60),
             )
-        result = fn(rank, world_size, *args)
         # Plain pickle bytes: torch's multiprocessing would pass tensors as shared-memory
         # handles that vanish when this process exits.
-        out.put((rank, True, pickle.dumps(result)))
+        return True, pickle.dumps(fn(rank, world_size, *args))
     except BaseException:  # noqa: BLE001 - the traceback is the test's failure message
-        out.put((rank, False, traceback.format_exc()))
+        return False, traceback.format_exc()
+
+
+def _entry(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    args: tuple,
+    env: dict[str, str],
+    init_process_group: bool,
+    out: mp.Queue,
+) -> None:
+    """A rank in a process of its own (``fresh=True``, or the "spawn"/"forkserver" start)."""
+    _setup_rank(rank, world_size, port, env)
+    try:
+        out.put((0, rank, *_run_one(fn, rank, world_size, port, args, init_process_group)))
     finally:
         import atexit
         import threading
@@ -146,6 +173,157 @@ def _entry(
             dist.destroy_process_group()
 
 
+def _serve(slot: int, tasks: mp.Queue, out: mp.Queue) -> None:
+    """One process of the pool: runs one rank of each call it is given, then leaves the
+    process as a fresh one would find it ([Note: the rank pool])."""
+    import random
+    import warnings
+
+    import torch
+
+    for name in _PRELOAD:
+        importlib.import_module(name)
+    _record_exit_hooks()
+    cwd, filters = os.getcwd(), list(warnings.filters)
+    default_dtype, torch_seed = torch.get_default_dtype(), torch.initial_seed()
+    while True:
+        task = tasks.get()
+        if task is None:
+            return
+        call, payload, rank, world_size, port, env, init_process_group = task
+        random.seed()  # a fresh process's: from the OS; torch's: the fixed default every fresh process has
+        torch.manual_seed(torch_seed)
+        _setup_rank(rank, world_size, port, env)
+        try:
+            fn, args = pickle.loads(payload)
+        except BaseException:  # noqa: BLE001 - e.g. the test module fails to import here
+            ok, result = False, traceback.format_exc()
+        else:
+            ok, result = _run_one(fn, rank, world_size, port, args, init_process_group)
+        try:
+            _exit_like(cwd, filters, default_dtype)
+        except BaseException:  # noqa: BLE001 - a leak the next call would inherit fails this one
+            ok, result = False, (result if not ok else "") + "after the worker returned:\n" + traceback.format_exc()
+        out.put((call, rank, ok, result))
+
+
+def _exit_like(cwd: str, filters: list, default_dtype: Any) -> None:
+    """What a process's exit would end, so that the next call starts as in a fresh process:
+    the call's exit hooks run, every process group destroyed, threads joined, the
+    once-per-process hooks of this package re-armed, warnings shown again, the working
+    directory and torch's global modes back."""
+    import gc
+    import sys
+    import threading
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    # The exit hooks first (a fresh process joins its threads first, but its exit also tells
+    # idle executor threads to end, which a process that lives on cannot), then what the
+    # worker dropped in a cycle (an exception's frames), so that finalizers release their
+    # threads, then the threads.
+    while _CALL_EXIT_HOOKS:  # the last registered first, as at exit
+        func, args, kwargs = _CALL_EXIT_HOOKS.pop()
+        func(*args, **kwargs)
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
+    left = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
+    for t in left:
+        t.join(timeout=30)
+    still = [t.name for t in left if t.is_alive()]
+    if still:
+        raise RuntimeError(f"non-daemon threads still running 30 s after the worker returned: {still}")
+    for module, flag in (("zeropp_strategy.engine.process_group", "_EXIT_HOOK_INSTALLED"),
+                         ("zeropp_strategy.engine.watchdog", "_hook_installed"),
+                         ("zeropp_strategy.engine.grad_reads", "_warned")):
+        if module in sys.modules:
+            setattr(sys.modules[module], flag, False)
+    if "accelerate.state" in sys.modules:  # Accelerate's process-wide singletons: a fresh process has none
+        state = sys.modules["accelerate.state"]
+        state.AcceleratorState._reset_state(reset_partial_state=True)
+        state.GradientState._reset_state()
+    sys.excepthook = sys.__excepthook__  # the watchdog's hook wraps it again when re-armed
+    warnings.filters[:] = filters
+    warnings._filters_mutated()  # every "once"/"default" registry forgets what it has shown
+    os.chdir(cwd)
+    torch.set_default_dtype(default_dtype)
+    torch.set_grad_enabled(True)
+
+
+_CALL_EXIT_HOOKS: list[tuple[Callable[..., Any], tuple, dict]] = []
+
+
+def _record_exit_hooks() -> None:
+    """In a pool process, the exit hooks this package and the tests register during a call
+    run at the call's end, where a fresh process would have run them at its exit; any other
+    library's (registered at import, or once per process) still runs at the pool's exit:
+    running those after every call would, for instance, finalize objects still in use."""
+    import atexit
+
+    register = atexit.register
+
+    def record(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Callable[..., Any]:
+        if getattr(func, "__module__", "").split(".")[0] in ("zeropp_strategy", "tests"):
+            _CALL_EXIT_HOOKS.append((func, args, kwargs))
+            return func
+        return register(func, *args, **kwargs)
+
+    atexit.register = record
+
+
+class _Pool:
+    """Processes spawned once and reused by every ``run_ranks`` call ([Note: the rank pool])."""
+
+    def __init__(self, size: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.size, self.call = size, 0
+        self.out: mp.Queue = ctx.Queue()
+        self.tasks: list[mp.Queue] = [ctx.Queue() for _ in range(size)]
+        self.procs = [ctx.Process(target=_serve, args=(slot, self.tasks[slot], self.out), daemon=False,
+                                  name=f"rank-pool-{slot}") for slot in range(size)]
+        for p in self.procs:
+            p.start()
+
+    def close(self, *, kill: bool = False) -> None:
+        for p, q in zip(self.procs, self.tasks):
+            if not kill and p.is_alive():
+                q.put(None)
+        for p in self.procs:
+            p.join(timeout=0.5 if kill else 10)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        for q in (*self.tasks, self.out):
+            q.close()
+            q.cancel_join_thread()
+
+
+_POOL: _Pool | None = None
+
+
+def _pool(world_size: int) -> _Pool:
+    global _POOL
+    if _POOL is not None and (_POOL.size < world_size or not all(p.is_alive() for p in _POOL.procs)):
+        _close_pool(kill=True)
+    if _POOL is None:
+        import atexit
+
+        _POOL = _Pool(max(world_size, 4))
+        atexit.unregister(_close_pool)
+        atexit.register(_close_pool)
+    return _POOL
+
+
+def _close_pool(*, kill: bool = False) -> None:
+    global _POOL
+    if _POOL is not None:
+        _POOL.close(kill=kill)
+        _POOL = None
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -154,20 +332,32 @@ def run_ranks(
     timeout_s: float = 180,
     env: dict[str, str] | None = None,
     init_process_group: bool = False,
+    fresh: bool = False,
 ) -> list[Any]:
-    ctx = _context()
-    out: mp.Queue = ctx.Queue()
+    """``fn(rank, world_size, *args)`` on ``world_size`` ranks; their results by rank.
+    ``fresh=True``: in processes started for this call only (a worker that tests what a
+    process does once, or at its exit)."""
+    method = os.environ.get("ZEROPP_TEST_START", "pool")
+    if method not in ("pool", "spawn", "forkserver"):
+        raise ValueError(f"ZEROPP_TEST_START={method!r}: must be 'pool', 'spawn' or 'forkserver'")
+    env = {**os.environ, **(env or {})}
     port = free_port()
-    procs = [
-        ctx.Process(
-            target=_entry,
-            args=(fn, rank, world_size, port, args, {**os.environ, **(env or {})}, init_process_group, out),
-            daemon=False,
-        )
-        for rank in range(world_size)
-    ]
-    for p in procs:
-        p.start()
+    if method == "pool" and not fresh:
+        pool = _pool(world_size)
+        pool.call += 1
+        payload = pickle.dumps((fn, args))  # here, so that an unpicklable worker fails at once
+        for rank in range(world_size):
+            pool.tasks[rank].put((pool.call, payload, rank, world_size, port, env, init_process_group))
+        procs, out, call = pool.procs[:world_size], pool.out, pool.call
+    else:
+        ctx = _context("spawn" if method == "pool" else method)
+        out = ctx.Queue()
+        procs = [ctx.Process(target=_entry, args=(fn, rank, world_size, port, args, env, init_process_group, out),
+                             daemon=False)
+                 for rank in range(world_size)]
+        for p in procs:
+            p.start()
+        pool, call = None, 0
     results: dict[int, Any] = {}
     failures: list[str] = []
     try:
@@ -178,13 +368,13 @@ def run_ranks(
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 missing = sorted(set(range(world_size)) - set(results))
-                raise TimeoutError(
+                failures.append(
                     f"ranks {missing} did not finish within {timeout_s:.0f}s "
                     f"(finished: {sorted(results)}); killed all ranks"
-                    + ("\n" + "\n".join(failures) if failures else "")
                 )
+                raise TimeoutError("\n".join(failures))
             try:
-                rank, ok, payload = out.get(timeout=min(remaining, 1.0))
+                got, rank, ok, payload = out.get(timeout=min(remaining, 1.0))
             except queue.Empty:
                 # A rank that died without reporting (segfault, os._exit) would otherwise
                 # make us wait for the full timeout.
@@ -193,6 +383,8 @@ def run_ranks(
                     failures.append(f"rank(s) {dead} exited with codes {[procs[r].exitcode for r in dead]}")
                     break
                 continue
+            if got != call:
+                continue  # cannot happen: a failed call's pool is not reused
             if ok:
                 results[rank] = pickle.loads(payload)
             else:
@@ -200,13 +392,17 @@ def run_ranks(
                 # One failed rank usually leaves the others blocked in a collective.
                 break
     finally:
-        for p in procs:
-            p.join(timeout=5 if not failures else 0.5)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-        out.close()
+        if pool is not None:
+            if failures:  # ranks may be stuck in a collective, or carry the failure's state
+                _close_pool(kill=True)
+        else:
+            for p in procs:
+                p.join(timeout=5 if not failures else 0.5)
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join(timeout=5)
+            out.close()
     if failures:
         raise AssertionError("distributed worker failed:\n" + "\n".join(failures))
     return [results[r] for r in range(world_size)]
