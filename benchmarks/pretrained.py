@@ -188,6 +188,7 @@ def finetune_cell(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     peak = PeakRSS()
+    peak.phase = "load"
     peak.start()
     export = Path(args.export)
     out: dict = {"losses": [], "step_s": []}
@@ -218,6 +219,7 @@ def finetune_cell(args: argparse.Namespace) -> None:
             if "load_s" not in out:
                 out["load_s"] = time.perf_counter() - t0
                 out["rss_after_load"] = status()["VmRSS"]
+                peak.phase = "train"
             self.t = time.perf_counter()
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
@@ -237,6 +239,7 @@ def finetune_cell(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(tokens, batch_size=2))
     out["fit_s"] = time.perf_counter() - t0
+    peak.phase = "predict"
     rows = _probe_ids().repeat(2, 1)  # one row per rank: predict splits its loader without repeats
     logits = trainer.predict(module, dataloaders=torch.utils.data.DataLoader(rows, batch_size=1))[0]
     # the adapters only, gathered one at a time (the whole state would be the model on every rank)
@@ -244,6 +247,7 @@ def finetune_cell(args: argparse.Namespace) -> None:
     if trainer.is_global_zero:
         torch.save({"logits": logits, "lora": lora}, export / "live.pt")
     t1 = time.perf_counter()
+    peak.phase = "export"
     zeropp_strategy.export_adapters(module.model, export / "adapters")
     zeropp_strategy.export_pretrained(module.model, export / "merged", dtype=torch.bfloat16, max_shard_bytes=2**30)
     out["export_s"] = time.perf_counter() - t1
@@ -251,7 +255,8 @@ def finetune_cell(args: argparse.Namespace) -> None:
     peak.stop.set()
     last = peak.sample()
     out.update(rank=trainer.global_rank, plan=memory_plan.describe() if memory_plan is not None else None,
-               peak_rss=peak.peak["VmRSS"], peak_anon=peak.peak["RssAnon"], VmHWM=last["VmHWM"], budget_bytes=budget)
+               peak_rss=peak.peak["VmRSS"], peak_anon=peak.peak["RssAnon"], VmHWM=last["VmHWM"], budget_bytes=budget,
+               phases=peak.phases)  # peaks of setup+load, train, predict, export
     Path(f"{args.out}.finetune.{trainer.global_rank}").write_text(json.dumps(out))
 
 
@@ -362,7 +367,7 @@ def main() -> None:
     p.add_argument("--finetune", help="fine-tune this folder on 2 ranks (int4 base, LoRA r=16) and check the exports")
     p.add_argument("--export", help="--finetune: where the adapters and the merged model go")
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--lr", type=float, default=1e-3, help="AdamW's learning rate of the fine-tune (LoRA)")
+    p.add_argument("--lr", type=float, default=3e-4, help="AdamW's learning rate of the fine-tune (LoRA); 1e-3 overshoots near zero by step 5")
     p.add_argument("--precision", default="bf16-mixed",
                    help="--finetune: the Trainer's precision (32-true on a CPU without bf16 matmul units: there "
                         "bf16-mixed's autocast runs emulated bf16 matmuls, about 10x slower)")

@@ -164,7 +164,7 @@ def _full_state(trainer, module):
 def _worker(rank, world, tmp, bits=8):
     import os
 
-    from lightning.pytorch import Trainer, seed_everything
+    from lightning.pytorch import Callback, Trainer, seed_everything
 
     from tests._models import FrozenBaseModule, trainer_kwargs
     from zeropp_strategy import ZeroPPStrategy
@@ -270,6 +270,51 @@ def _worker(rank, world, tmp, bits=8):
         "no_meta": not any(p.to_local().is_meta for p in m4.parameters()),
     }
 
+    # The frozen embedding as a group of its own ([Note: frozen leaves]), in a module shaped
+    # like a Hugging Face model (its input/output embeddings, untied): blocks named, every
+    # size worth a group. It is gathered for its forward only: by the head's forward (root
+    # group, gathered) it is a shard again, and backward gathers the two blocks only. The
+    # same module without the Hugging Face shape keeps it in the root. Training equals the
+    # same DDP reference either way.
+    from types import SimpleNamespace
+
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    from zeropp_strategy import CommKind
+
+    class HFShaped(FrozenBaseModule):
+        config = SimpleNamespace(tie_word_embeddings=False)
+
+        def get_input_embeddings(self):
+            return self.net["embed"]
+
+        def get_output_embeddings(self):
+            return self.net["head"]  # trainable: stays in the root's group
+
+    out["leaf"] = {}
+    for name, cls in (("hf", HFShaped), ("plain", FrozenBaseModule)):
+        seed_everything(0)
+        m6 = cls()
+        t6 = Trainer(strategy=strategy(wrap_modules=["LoraBlock"], wrap_min_params=1),
+                     **trainer_kwargs(world, max_steps=8))
+        embed_sharded_at_head: list[bool] = []
+
+        class Watch(Callback):
+            def on_fit_start(self, trainer, module):
+                module.net["head"].register_forward_pre_hook(
+                    lambda mod, args: embed_sharded_at_head.append(isinstance(module.net["embed"].weight, DTensor)))
+
+        t6.callbacks.append(Watch())
+        t6.fit(m6)
+        got6 = _full_state(t6, m6)
+        out["leaf"][name] = {
+            "groups": sorted(n for n, mod in m6.named_modules() if isinstance(mod, FSDPModule)),
+            "embed_sharded_at_head": embed_sharded_at_head,
+            "backward_gathers": t6.strategy.comm_ledger.totals(CommKind.PARAM_ALLGATHER_BWD).calls,
+            "max_diff": max((got6[k].float() - ref[k].float()).abs().max().item() for k in ref),
+        }
+
     # An odd row (21 elements: not a multiple of the block, nor of 2) through FSDP2's gather.
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
@@ -320,6 +365,24 @@ def test_checkpoints_restore_the_same_codes(runs):
     full = runs[0]["full"]
     assert full["plain"] and full["max_diff"] <= 1e-6, full
     assert all(r["full_resume_codes_equal"] for r in runs)
+
+
+def test_a_frozen_embedding_is_a_group_gathered_for_its_forward_only(runs, runs_int4):
+    """At stage 3 a Hugging Face model's frozen, untied input embedding is a group of its own
+    ([Note: frozen leaves] in engine/wrap.py): a shard again before the head computes, not
+    gathered in backward (8 steps x the 2 blocks), while the trainable head stays in the
+    root's group. Without the Hugging Face shape it stays in the root. Both equal the DDP
+    reference."""
+    for r in (*runs, *runs_int4):
+        hf, plain = r["leaf"]["hf"], r["leaf"]["plain"]
+        assert hf["groups"] == ["net.blocks.0", "net.blocks.1", "net.embed"], hf["groups"]
+        assert hf["embed_sharded_at_head"] and all(hf["embed_sharded_at_head"]), hf
+        assert hf["backward_gathers"] == 8 * 2, hf["backward_gathers"]
+        assert plain["groups"] == ["net.blocks.0", "net.blocks.1"], plain["groups"]
+        assert plain["embed_sharded_at_head"] and not any(plain["embed_sharded_at_head"]), plain
+        assert plain["backward_gathers"] == 8 * 2, plain["backward_gathers"]
+        for leaf in (hf, plain):
+            assert leaf["max_diff"] <= 1e-6, leaf["max_diff"]
 
 
 def test_meta_init_quantizes_after_materializing(runs):

@@ -69,6 +69,44 @@ def test_frozen_int4_weights_are_planned_at_their_stored_size_and_get_no_gradien
                                                                                    + 2 * block_trainable) * 8
 
 
+def _llama(tie: bool):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=4000, hidden_size=16, intermediate_size=32, num_hidden_layers=3,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=tie)
+    with torch.device("meta"):
+        return LlamaForCausalLM(config)
+
+
+def test_frozen_leaves_are_gathered_one_at_a_time_not_with_the_root():
+    """A LoRA-shaped Llama (frozen embedding and head, each larger than a block; [Note:
+    frozen leaves] in engine/wrap.py): the plan's gathered row holds the largest leaf beside
+    two blocks, not both for the whole step in the root group. A trainable, tied or small
+    embedding stays in the root."""
+    from zeropp_strategy.engine.wrap import frozen_leaves, select_blocks
+
+    net = _llama(tie=False)
+    net.requires_grad_(False)
+    blocks = select_blocks(net, wrap_modules=(), wrap_min_params=10**6)
+    assert len(blocks) == 3
+    embed, head = net.get_input_embeddings(), net.get_output_embeddings()
+    assert frozen_leaves(net, blocks, min_params=1000) == [embed, head]
+    assert frozen_leaves(net, blocks, min_params=10**6) == []
+    head.weight.requires_grad_(True)  # a trainable head stays in the root
+    leaves = frozen_leaves(net, blocks, min_params=1000)
+    assert leaves == [embed]
+    cfg = ZeroConfig(stage=3, offload_optimizer="cpu", host_memory_budget_bytes=2 * GiB)
+    plan = plan_memory(net, blocks, cfg, world_size=2, ranks_per_node=2, device=torch.device("cpu"), gather_bytes=4,
+                       leaves=leaves)
+    block = sum(p.numel() for p in blocks[0].parameters())
+    root = sum(p.numel() for p in net.parameters()) - 3 * block - embed.weight.numel()
+    assert dict(plan.host)["gathered parameters: the root group + its largest frozen leaf + 2 blocks"] == (
+        root + embed.weight.numel() + 2 * block) * 4
+    tied = _llama(tie=True)
+    tied.requires_grad_(False)
+    assert frozen_leaves(tied, select_blocks(tied, wrap_modules=(), wrap_min_params=10**6), min_params=1000) == []
+
+
 def test_plan_rows_match_the_model(tmp_path):
     from zeropp_strategy.engine.wrap import select_blocks
 

@@ -122,6 +122,7 @@ def _fit_worker(rank: int, world: int, folder: str, stages: tuple) -> dict:
 
     import zeropp_strategy
     from tests._models import trainer_kwargs
+    from zeropp_strategy.engine.pretrained import _SOURCES
     from zeropp_strategy.engine.state import full_model_state
 
     class Module(L.LightningModule):
@@ -154,7 +155,9 @@ def _fit_worker(rank: int, world: int, folder: str, stages: tuple) -> dict:
         trainer.fit(module)
         state = full_model_state(module)
         key = stage if isinstance(stage, str) else f"meta_init={stage['meta_init']}"
-        out[key] = {"on_meta": module.on_meta, "state": {k.removeprefix("model."): v for k, v in state.items()}}
+        folders = {id(src[0]): src[0] for m in module.model.modules() if (src := _SOURCES.get(m)) is not None}
+        out[key] = {"on_meta": module.on_meta, "state": {k.removeprefix("model."): v for k, v in state.items()},
+                    "files_mapped": sorted(len(f._handles) for f in folders.values()), "read_from": len(folders)}
     return out
 
 
@@ -166,6 +169,9 @@ def test_under_the_trainer_every_stage_loads_what_from_pretrained_gives(tmp_path
     for rank, out in enumerate(per_rank):
         for stage in stages:
             assert out[stage]["on_meta"] == (stage != "zeropp_stage_1"), (rank, stage)
+            # read into the shards, the files are unmapped: no page of them left in RSS
+            assert out[stage]["read_from"] == (stage != "zeropp_stage_1"), (rank, stage)
+            assert out[stage]["files_mapped"] == [0] * out[stage]["read_from"], (rank, stage, out[stage])
             got = out[stage]["state"]
             assert set(want) <= set(got), (stage, sorted(set(want) - set(got))[:3])
             for k, v in want.items():

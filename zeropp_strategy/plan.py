@@ -265,7 +265,8 @@ def explain(plan: Plan | None) -> list[str]:
                 again = "gathered again in backward"
             gathers = (f"Forward: each block's parameters are all-gathered before it runs{two_hops} and freed after; "
                        f"{again}. The parameters outside the blocks (usually the embeddings and the head) stay "
-                       "gathered from forward to backward.")
+                       "gathered from forward to backward, except a frozen, untied embedding and head, which "
+                       "are gathered around their own forward (the head again in backward).")
         lines += [f"Parameters: sharded, 1/{N} of each FSDP group per rank, {held}.{frozen}", gathers]
         if plan.quantized_weights:
             lines.append("qwZ: a gather that spans nodes sends int8 codes with one fp32 scale per block, on both hops; "

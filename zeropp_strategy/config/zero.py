@@ -180,7 +180,9 @@ class ZeroConfig:
     """Class names of the blocks sharded as one group each (e.g. "LlamaDecoderLayer"). Accepts a
     list/tuple of names or classes; () = auto (HF ``_no_split_modules``, else by size)."""
     wrap_min_params: int = 1_000_000
-    """Size-based fallback: a submodule with at least this many parameters gets its own group."""
+    """Size-based fallback: a submodule with at least this many parameters gets its own group.
+    At stage 3 also the least size at which a Hugging Face model's frozen, untied input or
+    output embedding is a group of its own ([Note: frozen leaves] in engine/wrap.py)."""
     activation_checkpointing: bool = False
     """Recompute each wrapped block's activations in backward instead of storing them."""
     meta_init: bool = True

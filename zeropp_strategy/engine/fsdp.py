@@ -42,7 +42,7 @@ from zeropp_strategy.engine.frozen import int8_weights, quantize_frozen
 from zeropp_strategy.engine.meta_init import has_meta, replayed_rng
 from zeropp_strategy.engine.peft_init import lora_inits
 from zeropp_strategy.engine.pretrained import Loads
-from zeropp_strategy.engine.wrap import apply_activation_checkpointing, select_blocks
+from zeropp_strategy.engine.wrap import apply_activation_checkpointing, frozen_leaves, select_blocks
 from zeropp_strategy.fsdp_private import group_params, param_groups, reset_sharded_param, set_unshard_async
 from zeropp_strategy.plan import ModelShape
 
@@ -157,7 +157,10 @@ def model_shape(root: nn.Module, *, wrap_modules: tuple[str, ...], wrap_min_para
         sizes = [0] * len(groups)
         for key, index in owner.items():
             sizes[index] += params[key].numel() if key in params else 0
-        blocks = sizes[1:] if groups[0] is root else sizes  # the root's own group is not a block
+        # The root's own group is not a block; a frozen leaf's group ([Note: frozen leaves] in
+        # wrap.py) is priced as part of the root's.
+        blocks = [size for group, size in zip(groups, sizes)
+                  if group is not root and not getattr(group, "zeropp_frozen_leaf", False)]
     else:  # stage 1: the blocks activation checkpointing would choose
         try:
             chosen = select_blocks(root, wrap_modules=wrap_modules, wrap_min_params=wrap_min_params)
@@ -243,8 +246,13 @@ def shard_module(
         if dense:
             log.info("zeropp: frozen weights kept dense (FSDP2 cannot pad int%d shards): %s", bits, "; ".join(dense))
     offload = offload_policy(config)
+    # Stage 3 only: stage 2 keeps every group gathered until its backward, where a group of
+    # its own would save nothing ([Note: frozen leaves] in wrap.py).
+    leaves = frozen_leaves(root, blocks, min_params=config.wrap_min_params) if reshard_after_forward else []
+    for leaf in leaves:
+        leaf.zeropp_frozen_leaf = True  # for model_shape and error_feedbacks: not a block
     hpz_off: list[str] = []
-    for block in blocks:
+    for block in (*blocks, *leaves):
         block_raf = reshard_after_forward
         if not isinstance(block_raf, bool) and int8_weights(block.parameters()):
             # FSDP2 keeps no secondary shard of extension tensors: see [Note: frozen weight storage].
@@ -252,9 +260,12 @@ def shard_module(
             hpz_off.append(type(block).__name__)
         fully_shard(block, mesh=mesh, reshard_after_forward=block_raf, mp_policy=mp_policy, ignored_params=ignored,
                     offload_policy=offload)
+    for leaf in leaves:
+        if isinstance(leaf, nn.Embedding):  # frozen: its backward reads no weight ([Note: frozen leaves])
+            leaf.set_unshard_in_backward(False)  # type: ignore[operator]
     if hpz_off:
         log.warning(
-            "zeropp: hpZ is off for %d blocks holding int8-stored frozen weights (%s): FSDP2 keeps no "
+            "zeropp: hpZ is off for %d groups holding int8-stored frozen weights (%s): FSDP2 keeps no "
             "secondary shard of them, so their backward gather sends int8 codes across nodes again. "
             "Set quantize_frozen_weights=False to keep hpZ for them.", len(hpz_off), hpz_off[0],
         )
@@ -262,7 +273,7 @@ def shard_module(
     # FSDP2's own advice is not to reshard the root after forward.
     fully_shard(root, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy, ignored_params=ignored,
                 offload_policy=offload)
-    for group in (*blocks, root):  # prepend: before FSDP2's post-forward hook hangs its hooks on the outputs
+    for group in (*blocks, *leaves, root):  # prepend: before FSDP2's post-forward hook hangs its hooks on the outputs
         group.register_forward_hook(_copy_views, prepend=True)
     reshard_when_training_resumes(root)
     install_comms(root, ledger, all_gather=all_gather, reduce_scatter=reduce_scatter, nodes=nodes,
@@ -273,7 +284,8 @@ def shard_module(
     # initialization]).
     if config.offload_param.device != "nvme":
         materialize(root, torch.device("cpu") if isinstance(offload, CPUOffloadPolicy) else device)
-    log.info("zeropp: stage %d sharded %d blocks + root over %d ranks", config.stage, len(blocks), mesh.size())
+    log.info("zeropp: stage %d sharded %d blocks%s + root over %d ranks", config.stage, len(blocks),
+             f" + {len(leaves)} frozen leaves" if leaves else "", mesh.size())
     return blocks
 
 
@@ -387,6 +399,8 @@ def error_feedbacks(module: nn.Module) -> list[Any]:
     same model: [Note: qgZ error feedback]."""
     found = []
     for m in module.modules():
+        if getattr(m, "zeropp_frozen_leaf", False):  # reduces nothing: a checkpoint's kept errors keep their count
+            continue
         for rs in m.__dict__.get(_REDUCE_SCATTERS_ATTR, {}).values():
             if getattr(rs, "feedback", None) is not None:
                 found.append(rs.feedback)
@@ -420,6 +434,7 @@ def materialize(root: nn.Module, device: torch.device, *, store: Any = None) -> 
             _materialize_meta_modules(root, device, hf_init, missing, loads)
         else:
             _materialize_streaming(root, device, store, hf_init, missing, loads)
+    loads.close()
     if missing:
         raise TypeError(
             "configure_model created tensors on the meta device, but these modules have no "

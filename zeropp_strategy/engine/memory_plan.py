@@ -18,7 +18,9 @@ enough) and the blocks are chosen, before any parameter is allocated:
   costs a write and a read per step, which only pays when memory is what is short;
 - what a step needs at once whatever the offload: on a CPU device, the gathered
   parameters (the root group, kept for the whole step, plus the computing block and
-  ``FORWARD_PREFETCH_BLOCKS`` prefetched ones) and, in backward, the unsharded gradients
+  ``FORWARD_PREFETCH_BLOCKS`` prefetched ones; or, where larger, the largest frozen
+  embedding or head of a group of its own, [Note: frozen leaves] in wrap.py, beside
+  ``FORWARD_PREFETCH_BLOCKS`` blocks) and, in backward, the unsharded gradients
   of the root and of two blocks (the one computing and the one being reduced);
 - the runtime itself (``RUNTIME_BYTES``: Python, torch, Lightning, the process group;
   measured at 540 MB of RSS after the imports on the reference machine, rounded up).
@@ -46,7 +48,7 @@ import math
 import os
 import shutil
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 from dataclasses import dataclass, field, replace
 
@@ -235,15 +237,18 @@ def _shard_elems(params: Iterable[nn.Parameter], world: int) -> int:
 
 
 def plan_memory(root: nn.Module, blocks: list[nn.Module], config: ZeroConfig, *, world_size: int,
-                ranks_per_node: int, device: torch.device, gather_bytes: int) -> MemoryPlan:
-    """The plan of ``root`` sharded at stage 3 into ``blocks`` + the root group (see
-    [Note: the memory plan]); ``gather_bytes`` per element of a gathered parameter."""
+                ranks_per_node: int, device: torch.device, gather_bytes: int,
+                leaves: Sequence[nn.Module] = ()) -> MemoryPlan:
+    """The plan of ``root`` sharded at stage 3 into ``blocks``, frozen ``leaves`` ([Note:
+    frozen leaves] in wrap.py) and the root group (see [Note: the memory plan]);
+    ``gather_bytes`` per element of a gathered parameter."""
     from zeropp_strategy.engine.fsdp import FORWARD_PREFETCH_BLOCKS
 
     n = world_size
     params = list(root.parameters())
     block_params = [list(b.parameters()) for b in blocks]
-    in_blocks = {id(p) for ps in block_params for p in ps}
+    leaf_full = max((_elems(leaf.parameters()) for leaf in leaves), default=0)
+    in_blocks = {id(p) for ps in block_params for p in ps} | {id(p) for leaf in leaves for p in leaf.parameters()}
     root_params = [p for p in params if id(p) not in in_blocks]
     esize = max((p.element_size() for p in params), default=4)
     stored = _stored_bytes(root, config, n, esize)
@@ -291,8 +296,15 @@ def plan_memory(root: nn.Module, blocks: list[nn.Module], config: ZeroConfig, *,
         elif odev == "cpu" or device.type == "cpu":
             host.append(("optimizer state, AdamW (in memory)", opt_state))
         if device.type == "cpu":  # the device is the host: what a step computes with lives here too
-            host.append((f"gathered parameters: the root group + {in_flight} blocks",
-                         (root_full + in_flight * block_full) * gather_bytes))
+            # A frozen leaf is gathered beside the blocks prefetched around it: the embedding
+            # beside the first two, the head beside the last one and, in backward, the one
+            # FSDP2 prefetches. The embedding is not gathered in backward, so the two leaves
+            # are not gathered at once.
+            with_leaf = leaf_full + (in_flight - 1) * block_full
+            what = (f"the root group + {in_flight} blocks" if in_flight * block_full >= with_leaf else
+                    f"the root group + its largest frozen leaf + {in_flight - 1} blocks")
+            host.append((f"gathered parameters: {what}",
+                         (root_full + max(in_flight * block_full, with_leaf)) * gather_bytes))
             host.append(("unsharded gradients in backward: the root group + 2 blocks",
                          (root_trainable + 2 * block_trainable) * (esize + gather_bytes)))
         return host, disk
@@ -390,13 +402,15 @@ def check_memory_plan(engine: Any, root: nn.Module) -> MemoryPlan | None:
     if cfg.host_memory_budget_bytes is None or engine.stage != 3 or (
             cfg.offload_param.device == "none" and cfg.offload_optimizer.device == "none"):
         return None
-    from zeropp_strategy.engine.wrap import select_blocks
+    from zeropp_strategy.engine.wrap import frozen_leaves, select_blocks
 
     blocks = select_blocks(root, wrap_modules=cfg.wrap_modules, wrap_min_params=cfg.wrap_min_params)
+    leaves = frozen_leaves(root, blocks, min_params=cfg.wrap_min_params)
     gather_dtype = engine.precision.mp_policy(gather_16bit=engine.plan.gather_16bit).param_dtype
     local_ranks = engine.world_size if cfg.simulated_nodes else engine.topology.ranks_per_node  # on this machine
     plan = plan_memory(root, blocks, cfg, world_size=engine.world_size, ranks_per_node=local_ranks,
-                       device=engine.device, gather_bytes=gather_dtype.itemsize if gather_dtype else 4)
+                       device=engine.device, gather_bytes=gather_dtype.itemsize if gather_dtype else 4,
+                       leaves=leaves)
     engine.info(plan.describe())
 
     def refuse() -> None:

@@ -10,6 +10,8 @@ groups that are too big raise the peak of gathered parameters. The policy, in or
 3. otherwise size-based: bottom-up, a module whose not-yet-grouped parameters reach
    ``wrap_min_params`` becomes a group.
 The root module is always its own group last (it picks up embeddings, heads, norms).
+At stage 3, a Hugging Face model's frozen, untied input and output embeddings (a LoRA
+run's ``embed_tokens`` and ``lm_head``) are groups of their own too (``frozen_leaves``).
 """
 
 from __future__ import annotations
@@ -95,6 +97,52 @@ def _size_based(root: nn.Module, min_params: int) -> list[nn.Module]:
             blocks.append(m)
             grouped.update(id(p) for p in fresh)
     return blocks
+
+
+def frozen_leaves(root: nn.Module, blocks: list[nn.Module], *, min_params: int) -> list[nn.Module]:
+    """The input and output embeddings of the Hugging Face models inside ``root`` that are
+    frozen, untied and at least ``min_params`` in number: at stage 3 each becomes an FSDP2
+    group of its own.
+
+    [Note: frozen leaves]
+    The root group stays gathered from its forward to the end of its backward (FSDP2's
+    advice for the root). For full training that is what the embedding and head need
+    anyway; with a frozen base (LoRA) they are the largest tensors of the model and
+    nothing of theirs is reduced: a Llama-3-8B's fp32 embedding and ``lm_head`` are 2.1 GB
+    each, gathered for the whole step on every rank beside the blocks. As groups of their
+    own they are gathered around their own forward, and in backward only the head again
+    (for the gradient of its input; the embedding's backward needs no weight, so its group
+    is told not to gather, ``set_unshard_in_backward(False)``), one at a time.
+
+    Only modules a model calls as modules qualify, since a group of its own is a shard
+    again outside its forward: what ``get_input_embeddings()`` / ``get_output_embeddings()``
+    return, a plain ``nn.Embedding`` or ``nn.Linear`` (not a peft wrapper, whose DoRA or
+    trainable tokens read ``base_layer.weight`` directly), in a model whose config says
+    ``tie_word_embeddings=False`` (a tied pair is one parameter in two modules, which FSDP2
+    shards inside one group only, and some heads read the embedding's weight directly).
+    Other frozen modules (an audio encoder's position table read as ``.weight``) stay in
+    the root's group, as do trainable ones, so a full fine-tune's groups do not change."""
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    owners: dict[int, int] = {}  # a weight tied by hand despite the config has two
+    for m in root.modules():
+        for _, p in m.named_parameters(recurse=False, remove_duplicate=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    leaves: list[nn.Module] = []
+    for model in root.modules():
+        config = getattr(model, "config", None)
+        if (not callable(getattr(model, "get_input_embeddings", None)) or config is None
+                or getattr(config, "tie_word_embeddings", True) is not False):
+            continue
+        for get in ("get_input_embeddings", "get_output_embeddings"):
+            try:
+                leaf = getattr(model, get)()
+            except (NotImplementedError, AttributeError):
+                continue
+            own = list(leaf.parameters()) if type(leaf) in (nn.Embedding, nn.Linear) else []
+            if (own and all(not p.requires_grad and id(p) not in in_blocks and owners.get(id(p)) == 1 for p in own)
+                    and sum(p.numel() for p in own) >= min_params and all(leaf is not m for m in leaves)):
+                leaves.append(leaf)
+    return leaves
 
 
 def apply_activation_checkpointing(blocks: list[nn.Module]) -> None:
