@@ -20,26 +20,33 @@ A freshly spawned rank imports torch, Lightning and this package before the work
 first line: 11-12 s for 2 ranks on the 2-core CI machine, on every call (``python
 benchmarks/spawn_cost.py``), about half of the suite's time. So by default the ranks run
 in a pool of 4 processes spawned once (``_Pool``; spawned, not forked: each has its own
-hash seed and memory layout, as ranks under torchrun do) and reused by every call; rank
-r of a call runs in process r. Between calls a process is left as a fresh one would be
-(``_exit_like``): the worker's non-daemon threads joined (a thread still running 30 s
-later fails that call), the exit hooks that this package and the tests registered during
-the call run (the orderly exit that stops comm threads and destroys the groups;
-``_record_exit_hooks``), every process group destroyed, this package's
-once-per-process hooks re-armed, Accelerate's process-wide state reset, the warnings'
-once-registries cleared (a warning a
-test expects is shown again), the working directory, torch's default dtype and grad mode
-restored; each call starts with the caller's environment and torch's default seed, as a
-fresh process does. What a module reads at import is read once per pool, as under the
-forkserver below; no test passes such a variable (the one passed, ``ACCELERATE_USE_CPU``,
-is read at run time). A failed or timed-out call kills the whole pool (its ranks may be
-stuck in a collective, or hold the failure's state) and the next call spawns a new one.
+hash seed and memory layout, as ranks under torchrun do), which import what the workers
+import before the first call's timeout starts and are reused by every call; rank r of a
+call runs in process r. After a call that passed, a process is left as a fresh one would
+be (``_exit_like``): the exit hooks that this package and the tests registered during the
+call run (the orderly exit that stops comm threads and destroys the groups;
+``_record_exit_hooks``), every process group destroyed, the worker's non-daemon threads
+joined (one still running 30 s later fails that call), this package's per-process state
+set back (``_FRESH_STATE``: the once-per-process hooks, the peer watchdog's generation,
+which must agree across the ranks of a call), Accelerate's singletons reset, Python's
+warnings shown again (torch's C++ warn-once ones are not), the working directory,
+torch's default dtype and grad mode restored; each call starts with the caller's
+environment and torch's default seed, as a fresh process does. What a module reads at
+import is read once per pool, as under the forkserver below; no test passes such a
+variable (the one passed, ``ACCELERATE_USE_CPU``, is read at run time). Two rules follow
+for workers: undo what you patch (a module attribute, ``shutil.disk_usage``) before
+returning, and pass arguments plain pickle can carry (no multiprocessing locks or
+queues). A call that fails, times out or is left by any exception (pytest-timeout's)
+kills the whole pool (its ranks may be stuck in a collective, or hold the failure's
+state), and the next call starts a new one; a pool process that ends on its own is
+reported and replaced; one whose pytest is killed ends within 5 s.
+
 ``fresh=True`` runs a call in processes of its own, for a worker that tests what happens
-once per process or at its exit. The offload tests with NVMe-offloaded fits take it: the
-pool found that such a fit's ``OffloadOptimizer`` stays alive after the worker returns
-(reachable from no module and no thread's frame, so through a reference torch's C++
-holds, a tensor hook's closure most likely), and with it its swap threads and files until
-the process exits, which these tests then check.
+once per process or at its exit. The tests whose fits put parameters on NVMe and then
+check what the process's exit removes take it: the pool found that such a fit's
+``OffloadOptimizer`` stays alive after the worker returns, with its swap threads and
+files, until the process exits. No module and no thread's frame reaches it, so something
+torch's C++ side holds does (a tensor hook's closure is the likely one; not confirmed).
 
 ``ZEROPP_TEST_START=spawn`` starts fresh processes for every call (the suite before the
 pool: 1748-1906 s). ``ZEROPP_TEST_START=forkserver`` forks them from a server that has
@@ -186,8 +193,15 @@ def _serve(slot: int, tasks: mp.Queue, out: mp.Queue) -> None:
     _record_exit_hooks()
     cwd, filters = os.getcwd(), list(warnings.filters)
     default_dtype, torch_seed = torch.get_default_dtype(), torch.initial_seed()
+    parent = mp.parent_process()
+    out.put(("ready", slot, True, b""))
     while True:
-        task = tasks.get()
+        try:
+            task = tasks.get(timeout=5)
+        except queue.Empty:
+            if parent is not None and not parent.is_alive():  # pytest was killed: no orphans
+                return
+            continue
         if task is None:
             return
         call, payload, rank, world_size, port, env, init_process_group = task
@@ -200,21 +214,40 @@ def _serve(slot: int, tasks: mp.Queue, out: mp.Queue) -> None:
             ok, result = False, traceback.format_exc()
         else:
             ok, result = _run_one(fn, rank, world_size, port, args, init_process_group)
+        if not ok:  # reported at once: the cleanup may block (a peer gone), and the pool is killed anyway
+            out.put((call, rank, ok, result))
+            continue
         try:
             _exit_like(cwd, filters, default_dtype)
         except BaseException:  # noqa: BLE001 - a leak the next call would inherit fails this one
-            ok, result = False, (result if not ok else "") + "after the worker returned:\n" + traceback.format_exc()
+            ok, result = False, "the worker returned, but its process could not be left as a fresh one:\n" + (
+                traceback.format_exc())
         out.put((call, rank, ok, result))
+
+
+# Module state of this package that a process starts with: (module, name, value). Set back
+# after every pooled call, as the once-per-process flags and the registries are per process.
+_FRESH_STATE = (
+    ("zeropp_strategy.engine.process_group", "_EXIT_HOOK_INSTALLED", False),
+    ("zeropp_strategy.engine.watchdog", "_hook_installed", False),
+    # the peer watchdog keys its heartbeats by how many engines this process started, which
+    # must agree across the ranks of a call ([Note: peer watchdog])
+    ("zeropp_strategy.engine.watchdog", "_generation", 0),
+    ("zeropp_strategy.engine.watchdog", "_current", None),
+    ("zeropp_strategy.engine.grad_reads", "_warned", False),
+    ("zeropp_strategy.comm.control", "_default_ledger", None),
+)
 
 
 def _exit_like(cwd: str, filters: list, default_dtype: Any) -> None:
     """What a process's exit would end, so that the next call starts as in a fresh process:
-    the call's exit hooks run, every process group destroyed, threads joined, the
-    once-per-process hooks of this package re-armed, warnings shown again, the working
-    directory and torch's global modes back."""
+    the call's exit hooks run, every process group destroyed, threads joined, this
+    package's per-process state back to a fresh process's, Accelerate's singletons reset,
+    warnings shown again, the working directory and torch's global modes back."""
     import gc
     import sys
     import threading
+    import time
     import warnings
 
     import torch
@@ -223,24 +256,29 @@ def _exit_like(cwd: str, filters: list, default_dtype: Any) -> None:
     # The exit hooks first (a fresh process joins its threads first, but its exit also tells
     # idle executor threads to end, which a process that lives on cannot), then what the
     # worker dropped in a cycle (an exception's frames), so that finalizers release their
-    # threads, then the threads.
+    # threads, then the threads. A raising hook does not stop the others, as at exit.
+    errors = []
     while _CALL_EXIT_HOOKS:  # the last registered first, as at exit
         func, args, kwargs = _CALL_EXIT_HOOKS.pop()
-        func(*args, **kwargs)
+        try:
+            func(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - reported below, after the rest of the cleanup
+            errors.append(traceback.format_exc())
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     gc.collect()
     left = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
+    deadline = time.monotonic() + 30
     for t in left:
-        t.join(timeout=30)
+        t.join(timeout=max(0.0, deadline - time.monotonic()))
     still = [t.name for t in left if t.is_alive()]
     if still:
-        raise RuntimeError(f"non-daemon threads still running 30 s after the worker returned: {still}")
-    for module, flag in (("zeropp_strategy.engine.process_group", "_EXIT_HOOK_INSTALLED"),
-                         ("zeropp_strategy.engine.watchdog", "_hook_installed"),
-                         ("zeropp_strategy.engine.grad_reads", "_warned")):
+        errors.append(f"non-daemon threads still running 30 s after the worker returned: {still}")
+    for module, name, value in _FRESH_STATE:
         if module in sys.modules:
-            setattr(sys.modules[module], flag, False)
+            if not hasattr(sys.modules[module], name):  # renamed: this list must follow
+                errors.append(f"tests/_dist.py _FRESH_STATE: {module} has no {name}")
+            setattr(sys.modules[module], name, value)
     if "accelerate.state" in sys.modules:  # Accelerate's process-wide singletons: a fresh process has none
         state = sys.modules["accelerate.state"]
         state.AcceleratorState._reset_state(reset_partial_state=True)
@@ -251,6 +289,8 @@ def _exit_like(cwd: str, filters: list, default_dtype: Any) -> None:
     os.chdir(cwd)
     torch.set_default_dtype(default_dtype)
     torch.set_grad_enabled(True)
+    if errors:
+        raise RuntimeError("\n".join(errors))
 
 
 _CALL_EXIT_HOOKS: list[tuple[Callable[..., Any], tuple, dict]] = []
@@ -266,7 +306,7 @@ def _record_exit_hooks() -> None:
     register = atexit.register
 
     def record(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Callable[..., Any]:
-        if getattr(func, "__module__", "").split(".")[0] in ("zeropp_strategy", "tests"):
+        if (getattr(func, "__module__", None) or "").split(".")[0] in ("zeropp_strategy", "tests"):
             _CALL_EXIT_HOOKS.append((func, args, kwargs))
             return func
         return register(func, *args, **kwargs)
@@ -286,6 +326,17 @@ class _Pool:
                                   name=f"rank-pool-{slot}") for slot in range(size)]
         for p in self.procs:
             p.start()
+        # Every slot imported what the workers import before any call's timeout starts.
+        import time
+
+        deadline, ready = time.monotonic() + 300, 0
+        while ready < size:
+            try:
+                tag, *_ = self.out.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                self.close(kill=True)
+                raise TimeoutError(f"the rank pool's {size} processes did not start within 300 s") from None
+            ready += tag == "ready"
 
     def close(self, *, kill: bool = False) -> None:
         for p, q in zip(self.procs, self.tasks):
@@ -307,6 +358,12 @@ _POOL: _Pool | None = None
 def _pool(world_size: int) -> _Pool:
     global _POOL
     if _POOL is not None and (_POOL.size < world_size or not all(p.is_alive() for p in _POOL.procs)):
+        dead = [(p.name, p.exitcode) for p in _POOL.procs if not p.is_alive()]
+        if dead:  # after a call that passed: what ended it (a leftover thread's os._exit) is not seen here
+            import sys
+
+            print(f"tests/_dist.py: rank pool processes ended between calls {dead}; starting a new pool",
+                  file=sys.stderr)
         _close_pool(kill=True)
     if _POOL is None:
         import atexit
@@ -378,13 +435,14 @@ def run_ranks(
             except queue.Empty:
                 # A rank that died without reporting (segfault, os._exit) would otherwise
                 # make us wait for the full timeout.
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
+                dead = [r for r, p in enumerate(procs) if (not p.is_alive() if pool else p.exitcode not in (None, 0))
+                        and r not in results]
                 if dead and not failures:
                     failures.append(f"rank(s) {dead} exited with codes {[procs[r].exitcode for r in dead]}")
                     break
                 continue
             if got != call:
-                continue  # cannot happen: a failed call's pool is not reused
+                continue  # a "ready" line, or (not expected) a result of an earlier call
             if ok:
                 results[rank] = pickle.loads(payload)
             else:
@@ -393,7 +451,9 @@ def run_ranks(
                 break
     finally:
         if pool is not None:
-            if failures:  # ranks may be stuck in a collective, or carry the failure's state
+            # A failure, a timeout, or any exception out of here (pytest-timeout's, Ctrl-C):
+            # ranks may be stuck in a collective or carry the failure's state.
+            if failures or len(results) < world_size:
                 _close_pool(kill=True)
         else:
             for p in procs:

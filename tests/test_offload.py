@@ -717,12 +717,15 @@ def _failure_worker(rank, world, tmp):
     except Exception as e:  # noqa: BLE001
         errors["missing"] = f"{type(e).__name__}: {e}"
     # 2. rank 1's disk is full: both ranks stop (rank 0 names rank 1), none hangs
+    disk_usage = swap.shutil.disk_usage  # the global shutil's: undone below, the rank's process is reused
     if rank == 1:
         swap.shutil.disk_usage = lambda p: type("U", (), {"total": 1, "used": 1, "free": 0})
     try:
         _fit(_strategy(3, {"offload_optimizer": "nvme"}, tmp), world, _module("forloop"))
     except Exception as e:  # noqa: BLE001
         errors["full"] = f"{type(e).__name__}: {e}"
+    finally:
+        swap.shutil.disk_usage = disk_usage
     return errors
 
 

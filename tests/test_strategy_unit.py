@@ -263,7 +263,8 @@ def _evaluate_as_nccl_runs(rank: int, world: int) -> dict:
     from tests._models import ParityModule, trainer_kwargs
     from zeropp_strategy.engine.state import full_model_state
 
-    loop_utils._distributed_is_initialized = lambda: False
+    original = loop_utils._distributed_is_initialized
+    loop_utils._distributed_is_initialized = lambda: False  # undone below: the rank's process is reused
     modes: set[bool] = set()
 
     class Recording(ParityModule):
@@ -280,10 +281,13 @@ def _evaluate_as_nccl_runs(rank: int, world: int) -> dict:
     # tensor left in FSDP2's buffers would fail the next step
     trainer = L.Trainer(strategy="zeropp_stage_3", **trainer_kwargs(
         world, max_steps=3, limit_val_batches=2, val_check_interval=1))
-    trainer.fit(module)
-    val = trainer.validate(module, verbose=False)[0]["val_loss"]
-    state = full_model_state(module)
-    preds = trainer.predict(module)
+    try:
+        trainer.fit(module)
+        val = trainer.validate(module, verbose=False)[0]["val_loss"]
+        state = full_model_state(module)
+        preds = trainer.predict(module)
+    finally:
+        loop_utils._distributed_is_initialized = original
     return {"val": float(val), "state": state, "preds": torch.cat(preds), "inference_mode": sorted(modes)}
 
 
