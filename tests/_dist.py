@@ -17,8 +17,9 @@ Ranks share one machine, so each is pinned to one intra-op thread: with 4 ranks 
 
 [Note: the rank pool]
 A freshly spawned rank imports torch, Lightning and this package before the worker's
-first line: 11-12 s for 2 ranks on the 2-core CI machine, on every call (``python
-benchmarks/spawn_cost.py``), about half of the suite's time. So by default the ranks run
+first line: 6.5-11 s for 2 ranks on the 2-core CI machine, on every call (``python
+benchmarks/spawn_cost.py``: 11.1 s at earlier stops, 6.5 s on 2026-11-27, where a pooled
+call took 0.18 s after the pool's first, 11.6 s), about half of the suite's time. So by default the ranks run
 in a pool of 4 processes spawned once (``_Pool``; spawned, not forked: each has its own
 hash seed and memory layout, as ranks under torchrun do), which import what the workers
 import before the first call's timeout starts and are reused by every call; rank r of a
@@ -48,6 +49,7 @@ check what the process's exit removes take it: the pool found that such a fit's
 files, until the process exits. No module and no thread's frame reaches it, so something
 torch's C++ side holds does (a tensor hook's closure is the likely one; not confirmed).
 
+With the pool the suite's pytest took 725 s in CI (2026-11-27, at 22060a9).
 ``ZEROPP_TEST_START=spawn`` starts fresh processes for every call (the suite before the
 pool: 1748-1906 s). ``ZEROPP_TEST_START=forkserver`` forks them from a server that has
 imported ``_PRELOAD`` once (934 s), but in one of four full runs a forked rank aborted
