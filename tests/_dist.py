@@ -43,11 +43,11 @@ state), and the next call starts a new one; a pool process that ends on its own 
 reported and replaced; one whose pytest is killed ends within 5 s.
 
 ``fresh=True`` runs a call in processes of its own, for a worker that tests what happens
-once per process or at its exit. The tests whose fits put parameters on NVMe and then
-check what the process's exit removes take it: the pool found that such a fit's
-``OffloadOptimizer`` stays alive after the worker returns, with its swap threads and
-files, until the process exits. No module and no thread's frame reaches it, so something
-torch's C++ side holds does (a tensor hook's closure is the likely one; not confirmed).
+once per process or at its exit. The pool's check of the threads found a leak on its
+first run: a fit with parameters on NVMe kept its trainer, optimizer, swap threads and
+files until the process exited (a tensor hook held its store strongly from torch's C++
+side, where the garbage collector cannot see the cycle; offload/params.py ``_weak_hook``).
+The offload tests now run in the pool and would fail again on such a leak.
 
 With the pool the suite's pytest took 725 s in CI (2026-11-27, at 22060a9).
 ``ZEROPP_TEST_START=spawn`` starts fresh processes for every call (the suite before the

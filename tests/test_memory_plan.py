@@ -332,8 +332,7 @@ def _worker(rank: int, world: int, tmp: str) -> dict:
 
 
 def test_refused_on_every_rank_and_streamed_init_equals_whole(tmp_path):
-    # fresh: an NVMe-offloaded fit's optimizer lives until its process exits (tests/_dist.py)
-    results = run_ranks(_worker, 2, (str(tmp_path),), timeout_s=600, fresh=True)
+    results = run_ranks(_worker, 2, (str(tmp_path),), timeout_s=600)
     for rank, out in enumerate(results):
         assert out["refused"] is not None, rank
         assert "ZeroConfig.host_memory_budget_bytes" in out["refused"] and "GiB" in out["refused"], out["refused"]

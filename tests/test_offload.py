@@ -640,8 +640,7 @@ def test_nvme_parameters_write_behind_and_residency(tmp_path):
 
 @pytest.mark.compat
 def test_every_offload_mode_trains_like_no_offload(tmp_path):
-    # fresh: an NVMe-offloaded fit's optimizer lives until its process exits (tests/_dist.py)
-    per_rank = run_ranks(_parity_worker, 2, (str(tmp_path),), timeout_s=900, fresh=True)
+    per_rank = run_ranks(_parity_worker, 2, (str(tmp_path),), timeout_s=900)
     for rank, out in enumerate(per_rank):
         for name, r in out.items():
             tol = TOL_FUSED if PARITY[name][2] == "default" else 0.0
@@ -697,8 +696,7 @@ def _resume_worker(rank, world, tmp):
 
 def test_checkpoints_resume_bit_exact_with_offload(tmp_path):
     (tmp_path / "swap").mkdir()
-    # fresh: an NVMe-offloaded fit's optimizer lives until its process exits (tests/_dist.py)
-    per_rank = run_ranks(_resume_worker, 2, (str(tmp_path),), timeout_s=900, fresh=True)
+    per_rank = run_ranks(_resume_worker, 2, (str(tmp_path),), timeout_s=900)
     for rank, out in enumerate(per_rank):
         for name, r in out.items():
             assert r["model"] == 0.0 and r["optim"] == 0.0, f"rank {rank} {name}: {r}"
@@ -769,8 +767,7 @@ def _preset_worker(rank, world, tmp):
 
 
 def test_offload_presets_train_like_zeropp(tmp_path):
-    # fresh: an NVMe-offloaded fit's optimizer lives until its process exits (tests/_dist.py)
-    per_rank = run_ranks(_preset_worker, 2, (str(tmp_path),), timeout_s=300, fresh=True)
+    per_rank = run_ranks(_preset_worker, 2, (str(tmp_path),), timeout_s=300)
     for out in per_rank:
         assert out["zeropp_offload"]["devices"] == ("cpu", "cpu") and not out["zeropp_offload"]["param_store"]
         assert out["zeropp_offload_nvme"]["devices"] == ("nvme", "nvme") and out["zeropp_offload_nvme"]["param_store"]

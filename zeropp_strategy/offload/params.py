@@ -233,7 +233,7 @@ class ParamStore:
                 local = param.to_local()
                 view = gflat[off : off + local.numel() * data.element_size()].view(data.dtype).view(local.shape)
                 self._grads[id(param)] = (_Region(gmm, gfile.fd, gfile.path, gflat.data_ptr(), off, nbytes), view)
-                param.register_post_accumulate_grad_hook(self._grad_to_file)
+                param.register_post_accumulate_grad_hook(_weak_hook(self._grad_to_file))
         for r in regions:
             write_back(r.fd, r.addr, r.start, r.length)
             r.evict(drop_cache=True)
@@ -412,3 +412,20 @@ class ParamStore:
         self._dir.close()
         if not self._error_raised:
             self._raise_write_error()
+
+
+def _weak_hook(method: Callable[[Tensor], None]) -> Callable[[Tensor], None]:
+    """``method`` (a store's) as a tensor hook that does not keep its store alive. A hook
+    lives in the tensor's C++ side, where the garbage collector cannot see it: a strong
+    one made parameter -> hook -> store -> ... -> module -> parameter a cycle that was never
+    collected, and a fit with parameters on NVMe kept its trainer, its optimizer, their swap
+    threads and files until the process exited (found by tests/_dist.py's rank pool)."""
+    ref = weakref.WeakMethod(method)  # type: ignore[arg-type]
+
+    def hook(param: Tensor) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(param)
+
+    return hook
+
