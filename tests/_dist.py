@@ -70,6 +70,7 @@ import os
 import pickle
 import queue
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -249,7 +250,6 @@ def _exit_like(cwd: str, filters: list, default_dtype: Any) -> None:
     import gc
     import sys
     import threading
-    import time
     import warnings
 
     import torch
@@ -329,8 +329,6 @@ class _Pool:
         for p in self.procs:
             p.start()
         # Every slot imported what the workers import before any call's timeout starts.
-        import time
-
         deadline, ready = time.monotonic() + 300, 0
         while ready < size:
             try:
@@ -344,17 +342,23 @@ class _Pool:
         for p, q in zip(self.procs, self.tasks):
             if not kill and p.is_alive():
                 q.put(None)
-        for p in self.procs:
-            p.join(timeout=0.5 if kill else 10)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+        _reap(self.procs, 0.5 if kill else 10)
         for q in (*self.tasks, self.out):
             q.close()
             q.cancel_join_thread()
 
 
 _POOL: _Pool | None = None
+
+
+def _reap(procs: list[Any], wait_s: float) -> None:
+    """Join ``procs``, each given ``wait_s`` to end on its own before it is killed."""
+    for p in procs:
+        p.join(timeout=wait_s)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
 
 
 def _pool(world_size: int) -> _Pool:
@@ -420,8 +424,6 @@ def run_ranks(
     results: dict[int, Any] = {}
     failures: list[str] = []
     try:
-        import time
-
         deadline = time.monotonic() + timeout_s
         while len(results) + len(failures) < world_size:
             remaining = deadline - time.monotonic()
@@ -444,7 +446,7 @@ def run_ranks(
                     break
                 continue
             if got != call:
-                continue  # a "ready" line, or (not expected) a result of an earlier call
+                continue  # not expected: a result of an earlier call (a failed call's pool is not reused)
             if ok:
                 results[rank] = pickle.loads(payload)
             else:
@@ -458,12 +460,7 @@ def run_ranks(
             if failures or len(results) < world_size:
                 _close_pool(kill=True)
         else:
-            for p in procs:
-                p.join(timeout=5 if not failures else 0.5)
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                    p.join(timeout=5)
+            _reap(procs, 5 if not failures else 0.5)
             out.close()
     if failures:
         raise AssertionError("distributed worker failed:\n" + "\n".join(failures))
