@@ -479,12 +479,12 @@ def activations(model: ModelShape, workload: Workload) -> float:
 
 
 def cost(name: str, plan: Plan | None, model: ModelShape, cluster: Cluster, workload: Workload | None, *,
-         frozen_bits: int = 0, b: ByteModel = ByteModel()) -> ConfigEstimate:
+         b: ByteModel = ByteModel()) -> ConfigEstimate:
     """What ``plan`` (None: DDP) costs for ``model`` on ``cluster``: memory per rank by part,
     bytes per step per rank inside and across nodes, the step time, and whether it fits
     (a memory of 0 in ``cluster`` is not checked). ``workload`` None: no activations and no
-    compute time (a run that has not seen a batch). ``frozen_bits``: frozen weights stored at
-    8 or 4 bits (0: dense)."""
+    compute time (a run that has not seen a batch). Frozen weights are stored at
+    ``plan.frozen_weight_bits`` (0: dense)."""
     m, c, w = model, cluster, workload
     P, T, F, N, L, M = m.params, m.trainable, m.frozen, c.world, c.gpus_per_node, c.nodes
     A, G, K, C, R = b.param, b.grad, b.optim, b.gather, b.reduce
@@ -493,7 +493,7 @@ def cost(name: str, plan: Plan | None, model: ModelShape, cluster: Cluster, work
     if plan is not None:
         stage, qw, hpz_group, qg = plan.stage, plan.quantized_weights, plan.hpz_group, plan.quantized_gradients
         opt_off, par_off, e.notes = plan.offload_optimizer, plan.offload_param, list(plan.notes)
-    frozen_bits = frozen_bits if F else 0
+    frozen_bits = plan.frozen_weight_bits if plan is not None and F else 0
     if frozen_bits:  # FSDP2 keeps no secondary shard of a block with int8/int4 weights: hpZ is off there
         hpz_group = 1
     # -- model states ------------------------------------------------------------------------

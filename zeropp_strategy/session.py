@@ -250,7 +250,7 @@ class ZeroSession:
             cluster = Cluster(nodes=topo.num_nodes, gpus_per_node=topo.ranks_per_node,
                               gpu_memory=_device_memory(self.device), host_memory=_host_memory(), link=math.inf,
                               intra_link=math.inf)
-            estimate = cost(f"stage {self.stage}", self.plan, shape, cluster, None, frozen_bits=self.plan.frozen_weight_bits,
+            estimate = cost(f"stage {self.stage}", self.plan, shape, cluster, None,
                             b=ByteModel.of(config, self.precision.precision, self.plan))
         except Exception as err:  # noqa: BLE001 - a diagnostic; the run goes on without it
             self.engine.info(f"zeropp plan: {type(module).__name__} not priced: {type(err).__name__}: {err}")
