@@ -42,6 +42,16 @@ class Budget:
         return self.end - time.monotonic()
 
 
+def _text(out: bytes | str | None) -> str:
+    return out.decode(errors="replace") if isinstance(out, bytes) else (out or "")
+
+
+def _save_partial(args: argparse.Namespace, r: dict) -> None:
+    """The part's figures so far, where check.py reads them: a part killed by its backstop
+    (a child that takes long to die: 64 GiB of pinned host memory to unpin) keeps what finished."""
+    args.result.write_text(json.dumps({**r, "status": "partial"}, indent=1) + "\n")
+
+
 def _cuda(dry_run: bool) -> bool:
     return torch.cuda.is_available() and not dry_run
 
@@ -93,7 +103,14 @@ def part_tests(args: argparse.Namespace, budget: Budget) -> dict:
         cmd.append("--collect-only")  # no GPU: check that the selection still names the CUDA tests
     else:
         cmd += ["tests/test_fsdp_private.py", f"--timeout={max(30, int(budget.left()) - 10)}"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=max(10, budget.left() - 5))
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=max(10, budget.left() - 5))
+    except subprocess.TimeoutExpired as e:  # what pytest printed so far says how far it got
+        print(_text(e.stdout)[-20000:], _text(e.stderr)[-5000:], sep="\n", flush=True)
+        dots = _text(e.stdout).count(".")
+        return {"command": " ".join(cmd[1:]), "status": "timeout",
+                "error": f"pytest ran past {e.timeout:.0f} s (about {dots} tests passed by then; a cold Triton "
+                         "cache compiles every kernel first)"}
     print(proc.stdout[-20000:], proc.stderr[-5000:], sep="\n", flush=True)
     tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)", tail)}
@@ -307,6 +324,7 @@ def part_one_gpu(args: argparse.Namespace, budget: Budget) -> dict:
             s["mfu_datasheet"] = round(s["tflops"] / DATASHEET_BF16_TFLOPS, 4) if cuda else None
             if env.get("matmul_TFLOPs"):
                 s["mfu_measured_matmul"] = round(s["tflops"] / env["matmul_TFLOPs"], 4)
+        _save_partial(args, {"systems": systems})
     # Ascending, while the budget lasts: each size that trains is a floor on the largest, and
     # the first refused (the memory plan: host memory) or failed one is the ceiling.
     largest = []
@@ -314,8 +332,11 @@ def part_one_gpu(args: argparse.Namespace, budget: Budget) -> dict:
     for big in (("4.3B", "6.7B") if cuda else ("tiny", "tiny2")):
         if budget.left() < (60 if cuda else 15):
             break
-        cell = _cell(args, budget, "largest", big, 2, 1, 1, 512 if cuda else 32, budget.left() - 5)
+        # the margin: a cell killed at its limit with tens of GiB of pinned host memory takes
+        # many seconds to die (the second lease lost the whole part to that)
+        cell = _cell(args, budget, "largest", big, 2, 1, 1, 512 if cuda else 32, budget.left() - (40 if cuda else 5))
         largest.append(cell)
+        _save_partial(args, {"systems": systems, "largest_tried": largest})
         if cell["status"] != "ok":
             break
     plain = systems["plain"].get("tokens_per_s")
