@@ -222,6 +222,7 @@ def test_explain_answers_what_happens_under_a_config_given_with_with(capsys) -> 
     (["--with", "wrap_modules=[A"], "is not a list of FIELD=VALUE"),
     (["--with", "no_such_field=1"], "no_such_field"),
     (["--explain", "zeropp_stage_9"], "--explain='zeropp_stage_9' is not a row of this table"),
+    (["--with", "stage=1,offload_optimizer=cpu,stage=2"], "gives stage more than once"),
 ])
 def test_bad_with_and_explain_are_one_line(argv, message, capsys) -> None:
     from zeropp_strategy.cli import main
@@ -229,3 +230,17 @@ def test_bad_with_and_explain_are_one_line(argv, message, capsys) -> None:
     assert main(["plan", "tiny", "--nodes", "2", "--gpus-per-node", "2", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err and "Fix:" in err, err
+
+
+def test_explain_before_model_takes_no_row_name(capsys) -> None:
+    """`zeropp plan --explain MODEL`: argparse hands MODEL to --explain's optional value; the
+    command reads it as the model and explains the recommended row, as `MODEL --explain` does."""
+    from zeropp_strategy.cli import main
+
+    assert main(["plan", "tiny", "--nodes", "2", "--gpus-per-node", "2", "--explain"]) == 0
+    after = capsys.readouterr().out
+    assert main(["plan", "--explain", "tiny", "--nodes", "2", "--gpus-per-node", "2"]) == 0
+    assert capsys.readouterr().out == after
+    assert main(["plan", "--explain", "all"]) == 2
+    err = capsys.readouterr().err
+    assert "required: MODEL" in err and "Fix:" in err

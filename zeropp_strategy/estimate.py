@@ -227,7 +227,7 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
 
     p = ArgumentParser(prog=prog, description="Memory, bytes and time per config for MODEL on a cluster, "
                        "and the config to use (estimates: see docs/plan.md).")
-    p.add_argument("model", metavar="MODEL", help="a Hugging Face folder or its config.json, 'tiny' (the embedded "
+    p.add_argument("model", metavar="MODEL", nargs="?", help="a Hugging Face folder or its config.json, 'tiny' (the embedded "
                    "default), or module:Class (built with no arguments, on the meta device)")
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpus-per-node", type=int, default=8)
@@ -261,6 +261,10 @@ def _extra_row(text: str, cluster: Cluster) -> tuple[str, dict[str, Any]]:
     from zeropp_strategy.errors import UsageError
 
     fix = "e.g. --with stage=1,offload_optimizer=cpu (values as YAML: 1, true, cpu, [A,B])"
+    names = re.findall(r"(?:^|,)\s*([A-Za-z_]\w*)\s*=", text)
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:  # YAML would keep the last value without a word
+        raise UsageError(f"--with={text!r} gives {twice[0]} more than once", "give each field once in a row")
     try:
         fields = yaml.safe_load("{" + re.sub(r"(^|,)\s*([A-Za-z_]\w*)\s*=", r"\1\2: ", text) + "}")
     except yaml.YAMLError:
@@ -302,7 +306,12 @@ def explanations(rows: list[ConfigEstimate], best: ConfigEstimate | None, which:
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     from zeropp_strategy.errors import UsageError
 
-    args = parser(prog).parse_args(argv)
+    p = parser(prog)
+    args = p.parse_args(argv)
+    if args.model is None:  # `--explain MODEL` with no row name: argparse gave MODEL to --explain
+        if args.explain in (None, "", "all"):
+            p.error("the following arguments are required: MODEL")
+        args.model, args.explain = args.explain, ""
     for name in ("nodes", "gpus_per_node", "micro_batch", "seq_len"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')}={getattr(args, name)} is invalid", "use 1 or more")

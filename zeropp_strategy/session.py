@@ -115,6 +115,7 @@ class ZeroSession:
         self._checkpointed: set[int] = set()  # stage 1: modules given activation checkpointing
         self._estimates: dict[str, ConfigEstimate] = {}  # what the plan costs each model prepared to train
         self._priced: set[int] = set()  # id() of the modules in _estimates
+        self._byte_model: tuple[str, ByteModel] | None = None  # (precision, its bytes per element)
         control.set_default_ledger(engine.ledger)
 
     @classmethod
@@ -250,8 +251,7 @@ class ZeroSession:
             cluster = Cluster(nodes=topo.num_nodes, gpus_per_node=topo.ranks_per_node,
                               gpu_memory=_device_memory(self.device), host_memory=_host_memory(), link=math.inf,
                               intra_link=math.inf)
-            estimate = cost(f"stage {self.stage}", self.plan, shape, cluster, None,
-                            b=ByteModel.of(config, self.precision.precision, self.plan))
+            estimate = cost(f"stage {self.stage}", self.plan, shape, cluster, None, b=self._bytes_per_element())
         except Exception as err:  # noqa: BLE001 - a diagnostic; the run goes on without it
             self.engine.info(f"zeropp plan: {type(module).__name__} not priced: {type(err).__name__}: {err}")
             return
@@ -262,6 +262,13 @@ class ZeroSession:
         self.engine.info(_one_line(name, shape.params, shape.trainable, topo, estimate))
         if log.isEnabledFor(logging.DEBUG):
             log.debug("%s", self.explain())
+
+    def _bytes_per_element(self) -> ByteModel:
+        """``ByteModel.of`` this run's config, precision and plan, made once per precision."""
+        key = self.precision.precision
+        if self._byte_model is None or self._byte_model[0] != key:
+            self._byte_model = (key, ByteModel.of(self.config, key, self.plan))
+        return self._byte_model[1]
 
     def estimates(self) -> dict[str, ConfigEstimate]:
         """What the plan costs each model prepared for training, by the model's class name:
@@ -281,7 +288,7 @@ class ZeroSession:
             self.explain_failure(exception)
             return ""
         lines = [self.plan.describe()] + [f"  - {line}" for line in explain_plan(self.plan)]
-        b = ByteModel.of(self.config, self.precision.precision, self.plan)
+        b = self._bytes_per_element()
         lines.append(f"bytes per element: parameters {b.param:g}, gradients {b.grad:g}, optimizer {b.optim:g}, "
                      f"gathers {b.gather:g}, reduces {b.reduce:g}"
                      + (f", qwZ {b.qw:.4g} per gathered element" if self.plan.quantized_weights else "")
