@@ -7,6 +7,7 @@ LoRA's count against peft's), the recommendation's logic, and the command's erro
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -244,3 +245,26 @@ def test_explain_before_model_takes_no_row_name(capsys) -> None:
     assert main(["plan", "--explain", "all"]) == 2
     err = capsys.readouterr().err
     assert "required: MODEL" in err and "Fix:" in err
+
+
+def test_frozen_leaves_are_priced_as_the_run_gathers_them(tmp_path) -> None:
+    """issue 32: at stage 3 with a frozen base, an untied embedding and head are groups of
+    their own ([Note: frozen leaves]): the plan holds the root, one leaf and 2 blocks
+    gathered (not both leaves for the whole step), and gathers the head once more in
+    backward (the embedding not). `zeropp plan --lora` finds the leaves of the model."""
+    from transformers import LlamaConfig
+
+
+    LlamaConfig(vocab_size=8192, hidden_size=256, num_hidden_layers=2, intermediate_size=512, num_attention_heads=4,
+                num_key_value_heads=4, tie_word_embeddings=False).save_pretrained(tmp_path)
+    lora = model_shape(str(tmp_path), lora=8)
+    table = 8192 * 256
+    assert (lora.largest_leaf, lora.leaf_params, lora.leaf_backward) == (table, 2 * table, table)
+    full = model_shape(str(tmp_path))  # full training: nothing frozen, no leaves
+    assert (full.largest_leaf, full.leaf_params, full.leaf_backward) == (0, 0, 0)
+    no_leaves = dataclasses.replace(lora, largest_leaf=0, leaf_params=0, leaf_backward=0)
+    with_leaves, without = (_rows(s, nodes=2, gpus_per_node=2)["zeropp_stage_3"] for s in (lora, no_leaves))
+    C = 2  # bf16 gathers
+    assert without.gpu["gathered"] - with_leaves.gpu["gathered"] == C * table  # one leaf at a time, not both
+    # the head's backward gather: its bf16 bytes once more, across nodes (M-1)/N of them
+    assert with_leaves.inter_bytes - without.inter_bytes == pytest.approx(C * table * (2 - 1) / 4)

@@ -282,6 +282,7 @@ def _worker(rank, world, tmp, bits=8):
     from torch.distributed.tensor import DTensor
 
     from zeropp_strategy import CommKind
+    from zeropp_strategy.engine.fsdp import model_shape
 
     class HFShaped(FrozenBaseModule):
         config = SimpleNamespace(tie_word_embeddings=False)
@@ -313,6 +314,8 @@ def _worker(rank, world, tmp, bits=8):
             "embed_sharded_at_head": embed_sharded_at_head,
             "backward_gathers": t6.strategy.comm_ledger.totals(CommKind.PARAM_ALLGATHER_BWD).calls,
             "max_diff": max((got6[k].float() - ref[k].float()).abs().max().item() for k in ref),
+            "shape": model_shape(m6, wrap_modules=("LoraBlock",), wrap_min_params=1),
+            "embed_numel": m6.net["embed"].weight.numel(),  # a DTensor's numel is the whole tensor's
         }
 
     # An odd row (21 elements: not a multiple of the block, nor of 2) through FSDP2's gather.
@@ -383,6 +386,10 @@ def test_a_frozen_embedding_is_a_group_gathered_for_its_forward_only(runs, runs_
         assert plain["backward_gathers"] == 8 * 2, plain["backward_gathers"]
         for leaf in (hf, plain):
             assert leaf["max_diff"] <= 1e-6, leaf["max_diff"]
+        # the plan prices the leaf as a leaf: gathered for its forward only (an embedding)
+        n = hf["embed_numel"]
+        assert (hf["shape"].largest_leaf, hf["shape"].leaf_params, hf["shape"].leaf_backward) == (n, n, 0)
+        assert (plain["shape"].largest_leaf, plain["shape"].leaf_params, plain["shape"].leaf_backward) == (0, 0, 0)
 
 
 def test_meta_init_quantizes_after_materializing(runs):

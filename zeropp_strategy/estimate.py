@@ -20,7 +20,7 @@ from dataclasses import asdict
 from typing import Any
 
 from zeropp_strategy.config import ZeroConfig
-from zeropp_strategy.plan import ByteModel, Cluster, ConfigEstimate, ModelShape, Workload, cost, resolve
+from zeropp_strategy.plan import ByteModel, Cluster, ConfigEstimate, ModelShape, Workload, cost, leaf_counts, resolve
 from zeropp_strategy.topology import Topology
 
 __all__ = ["Cluster", "ConfigEstimate", "ModelShape", "Workload", "estimate", "main", "model_shape", "parse_bandwidth",
@@ -96,7 +96,7 @@ def model_shape(spec: str, *, lora: int = 0) -> ModelShape:
     (then only those train)."""
     from torch import nn
 
-    from zeropp_strategy.engine.wrap import select_blocks
+    from zeropp_strategy.engine.wrap import frozen_leaves, select_blocks
 
     model, name = _meta_model(spec)
     params = sum(p.numel() for p in model.parameters())
@@ -113,6 +113,10 @@ def model_shape(spec: str, *, lora: int = 0) -> ModelShape:
         params += trainable
     else:
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if lora:  # the base is frozen: at stage 3 an untied embedding and head become groups of their own
+        model.requires_grad_(False)
+    leaves = [(sum(p.numel() for p in leaf.parameters()), not isinstance(leaf, nn.Embedding))
+              for leaf in frozen_leaves(model, blocks, min_params=1_000_000)]
     config = getattr(model, "config", None)
     hidden = int(getattr(config, "hidden_size", 0) or 0)
     vocab = int(getattr(config, "vocab_size", 0) or 0)
@@ -120,7 +124,7 @@ def model_shape(spec: str, *, lora: int = 0) -> ModelShape:
     return ModelShape(name=name, params=params, trainable=trainable,
                       root_params=params - sum(in_blocks) - (trainable if lora else 0),
                       largest_block=max(in_blocks, default=0), blocks=len(blocks), hidden=hidden, layers=layers,
-                      vocab=vocab)
+                      vocab=vocab, **leaf_counts(leaves))
 
 
 # name -> ZeroConfig fields (None: plain DDP), in the order the table lists them

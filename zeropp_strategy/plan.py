@@ -90,6 +90,7 @@ __all__ = [
     "activations",
     "cost",
     "explain",
+    "leaf_counts",
     "policies",
     "resolve",
 ]
@@ -366,10 +367,23 @@ class ModelShape:
     hidden: int
     layers: int
     vocab: int
+    # Stage 3's frozen leaves ([Note: frozen leaves] in engine/wrap.py), counted in
+    # root_params too: each is gathered around its own forward instead of with the root
+    # for the whole step, and the ones whose backward reads the weight (a head, not an
+    # embedding) once more in backward.
+    largest_leaf: int = 0
+    leaf_params: int = 0  # all the leaves
+    leaf_backward: int = 0  # the leaves gathered again in backward
 
     @property
     def frozen(self) -> int:
         return self.params - self.trainable
+
+
+def leaf_counts(leaves: list[tuple[int, bool]]) -> dict[str, int]:
+    """``ModelShape``'s leaf fields from (elements, gathered again in backward) per frozen leaf."""
+    return {"largest_leaf": max((n for n, _ in leaves), default=0), "leaf_params": sum(n for n, _ in leaves),
+            "leaf_backward": sum(n for n, again in leaves if again)}
 
 
 @dataclass(frozen=True)
@@ -507,7 +521,8 @@ def cost(name: str, plan: Plan | None, model: ModelShape, cluster: Cluster, work
         if stage == 2:
             e.gpu["gathered"] = C * P
         else:
-            e.gpu["gathered"] = C * (m.root_params + 2 * m.largest_block)
+            # the root for the whole step, one frozen leaf at a time, the block computing and the next
+            e.gpu["gathered"] = C * (m.root_params - m.leaf_params + m.largest_leaf + 2 * m.largest_block)
         e.gpu["unsharded_gradients"] = G * min(T, max(m.largest_block, m.root_params))
         if hpz_group > 1:  # the secondary shard, in the gather's dtype (never with frozen codes: hpZ is off there)
             e.gpu["hpz_secondary"] = C * P / hpz_group
@@ -551,7 +566,8 @@ def cost(name: str, plan: Plan | None, model: ModelShape, cluster: Cluster, work
     else:
         e.intra_bytes, e.inter_bytes = gather_wire * inside, gather_wire * across  # forward gather
         if stage == 3:
-            blocks = 1 - m.root_params / P  # the root is not gathered again in backward
+            # the root is not gathered again in backward; the blocks and a frozen head are
+            blocks = 1 - (m.root_params - m.leaf_backward) / P
             if 1 < hpz_group <= L:  # from the secondary shard, inside the node
                 e.intra_bytes += gather_plain * blocks * (hpz_group - 1) / hpz_group
             elif hpz_group > L:  # a group of whole nodes: a two-hop gather over H ranks, quantized if qwZ

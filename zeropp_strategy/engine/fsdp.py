@@ -44,7 +44,7 @@ from zeropp_strategy.engine.peft_init import lora_inits
 from zeropp_strategy.engine.pretrained import Loads
 from zeropp_strategy.engine.wrap import apply_activation_checkpointing, frozen_leaves, select_blocks
 from zeropp_strategy.fsdp_private import group_params, param_groups, reset_sharded_param, set_unshard_async
-from zeropp_strategy.plan import ModelShape
+from zeropp_strategy.plan import ModelShape, leaf_counts
 
 log = logging.getLogger(__name__)
 
@@ -158,15 +158,18 @@ def model_shape(root: nn.Module, *, wrap_modules: tuple[str, ...], wrap_min_para
         for key, index in owner.items():
             sizes[index] += params[key].numel() if key in params else 0
         # The root's own group is not a block; a frozen leaf's group ([Note: frozen leaves] in
-        # wrap.py) is priced as part of the root's.
+        # wrap.py) counts in the root's parameters and is priced as a leaf.
         blocks = [size for group, size in zip(groups, sizes)
                   if group is not root and not getattr(group, "zeropp_frozen_leaf", False)]
+        leaves = [(size, not isinstance(group, nn.Embedding)) for group, size in zip(groups, sizes)
+                  if getattr(group, "zeropp_frozen_leaf", False)]
     else:  # stage 1: the blocks activation checkpointing would choose
         try:
             chosen = select_blocks(root, wrap_modules=wrap_modules, wrap_min_params=wrap_min_params)
         except ValueError:  # wrap_modules naming classes this model lacks: stage 1 runs without blocks
             chosen = select_blocks(root, wrap_modules=(), wrap_min_params=wrap_min_params)
         blocks = [sum(p.numel() for p in b.parameters()) for b in chosen]
+        leaves = []
     total = sum(p.numel() for p in params.values())
     user = root.module if isinstance(root, ShardedRoot) else root
     config = getattr(user, "config", None)
@@ -176,7 +179,7 @@ def model_shape(root: nn.Module, *, wrap_modules: tuple[str, ...], wrap_min_para
                       root_params=total - sum(blocks), largest_block=max(blocks, default=0), blocks=len(blocks),
                       hidden=int(getattr(config, "hidden_size", 0) or 0),
                       layers=int(getattr(config, "num_hidden_layers", 0) or len(blocks)),
-                      vocab=int(getattr(config, "vocab_size", 0) or 0))
+                      vocab=int(getattr(config, "vocab_size", 0) or 0), **leaf_counts(leaves))
 
 
 def reshard_when_training_resumes(root: nn.Module) -> None:
