@@ -166,7 +166,10 @@ def run_part(name: str, budget_s: float, args: argparse.Namespace, log) -> dict:
         proc.wait()
         rc, timed_out = -9, True
     seconds = round(time.monotonic() - t0, 1)
-    out = json.loads(result_file.read_text()) if result_file.exists() else {}
+    try:
+        out = json.loads(result_file.read_text()) if result_file.exists() else {}
+    except json.JSONDecodeError:  # cut off mid-write by the kill: the status below says what happened
+        out = {}
     if timed_out:
         out.update(status="timeout", error=f"killed after {seconds} s (budget {budget_s:.0f} s)")
     elif "status" not in out:

@@ -49,7 +49,9 @@ def _text(out: bytes | str | None) -> str:
 def _save_partial(args: argparse.Namespace, r: dict) -> None:
     """The part's figures so far, where check.py reads them: a part killed by its backstop
     (a child that takes long to die: 64 GiB of pinned host memory to unpin) keeps what finished."""
-    args.result.write_text(json.dumps({**r, "status": "partial"}, indent=1) + "\n")
+    tmp = args.result.with_suffix(".partial")
+    tmp.write_text(json.dumps({**r, "status": "partial"}, indent=1) + "\n")
+    os.replace(tmp, args.result)  # whole or not at all: the backstop's kill may land mid-write
 
 
 def _cuda(dry_run: bool) -> bool:
@@ -107,7 +109,8 @@ def part_tests(args: argparse.Namespace, budget: Budget) -> dict:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=max(10, budget.left() - 5))
     except subprocess.TimeoutExpired as e:  # what pytest printed so far says how far it got
         print(_text(e.stdout)[-20000:], _text(e.stderr)[-5000:], sep="\n", flush=True)
-        dots = _text(e.stdout).count(".")
+        progress = [ln for ln in _text(e.stdout).splitlines() if re.fullmatch(r"[.sFExX]+\s*(\[\s*\d+%\])?", ln.strip())]
+        dots = sum(ln.split("[")[0].count(".") for ln in progress)  # pytest -q's progress lines only
         return {"command": " ".join(cmd[1:]), "status": "timeout",
                 "error": f"pytest ran past {e.timeout:.0f} s (about {dots} tests passed by then; a cold Triton "
                          "cache compiles every kernel first)"}
@@ -486,7 +489,8 @@ def main() -> int:
         r = train_cell(args) if args.part == "train" else PARTS[args.part](args, Budget(args.budget_s))
     except Exception as e:  # noqa: BLE001 - the failure is the result; the traceback goes to check.log
         traceback.print_exc()
-        r = {"status": "failed", "error": f"{type(e).__name__}: {str(e)[:2000]}"}
+        saved = json.loads(args.result.read_text()) if args.result.exists() else {}  # a part's figures so far
+        r = {**saved, "status": "failed", "error": f"{type(e).__name__}: {str(e)[:2000]}"}
     args.result.write_text(json.dumps(r, indent=1) + "\n")  # check.py puts it in --work: later parts read env's
     return 0 if r["status"] in ("ok", "refused") else 1
 
