@@ -15,7 +15,7 @@ users train; ``32-true`` for the fp32 table). Under bf16-mixed DeepSpeed runs it
 mode, which reduces gradients in bf16 (its default ``communication_data_type``).
 Systems:
 
-    zeropp_stage_1/2/3, qwZ, hpZ, qgZ, zeropp   ours (ZeroPPStrategy), Lightning Trainer
+    zeropp_stage_1/2/3, qwZ, hpZ, qgZ, zeropp, zeropp_4bit   ours (ZeroPPStrategy), Lightning Trainer
     zeropp_stage_3_bf16                         ours, stage 3 with reduce_dtype="bf16": the
                                                 like-for-like peer of DeepSpeed's bf16 reduce
     ddp                                         Lightning's DDPStrategy
@@ -70,6 +70,8 @@ OURS = {
     "hpZ": {"stage": 3, "hpz_partition_size": 0},
     "qgZ": {"stage": 3, "quantized_gradients": True},
     "zeropp": {"stage": 3, "quantized_weights": True, "hpz_partition_size": 0, "quantized_gradients": True},
+    "zeropp_4bit": {"stage": 3, "quantized_weights": True, "weight_quant_bits": 4, "weight_quant_block_elems": 64,
+                    "hpz_partition_size": 0, "quantized_gradients": True},  # PRESETS["zeropp_4bit"]
 }
 DEEPSPEED = {
     "deepspeed_zero3": {},

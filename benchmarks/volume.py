@@ -62,8 +62,12 @@ PARTS = {
     "stage1": ("200mbit", ["small"], ["ddp", "zeropp_stage_1", "zeropp_stage_1_overlap", "zeropp_stage_1_overlap#1",
                                       "zeropp_stage_1_overlap#16"]),
     "sizes": ("1gbit", ["small", "medium"], ["ddp", "zeropp_stage_3", "zeropp", "deepspeed_zero3"]),
+    # Beyond ZeRO++ (issue 35): int4 weight gathers against zeropp, at 50 Mbit/s and without a limit
+    "4bit_50mbit": ("50mbit", ["small"], ["zeropp", "zeropp_4bit"]),
+    "4bit_unlimited": ("unlimited", ["small"], ["zeropp", "zeropp_4bit"]),
 }
-PART_FILES = {"stage1": "volume_stage1_async.json", "sizes": "volume_sizes_1gbit.json"}
+PART_FILES = {"stage1": "volume_stage1_async.json", "sizes": "volume_sizes_1gbit.json",
+              "4bit_50mbit": "volume_4bit_50mbit.json", "4bit_unlimited": "volume_4bit_unlimited.json"}
 SUITE_FILES = {"fp32": "volume_bf16_fp32mm.json", "native": "volume_bf16.json"}  # by --bf16-matmul
 ARCHIVED_SUITES = ["volume_bf16_fp32mm_2026-11-25.json"]
 """Earlier runs of the suite kept on the page below the newest, newest first; each JSON's

@@ -31,6 +31,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer, seed_everythin
 from torch.utils.data import DataLoader
 
 from zeropp_strategy import ZeroPPStrategy
+from zeropp_strategy.presets import PRESETS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make `benchmarks` importable
 from benchmarks.bench_train import corpus  # noqa: E402  (the shipped text, folded into the vocab)
@@ -74,6 +75,8 @@ VARIANTS = {
     "zeropp_ef_g256": {"quantized_weights": True, "hpz_partition_size": 0, "quantized_gradients": True,
                        "gradient_quant_bits_intra": 8, "gradient_error_feedback": True,
                        "gradient_quant_block_elems": 256},
+    # Beyond ZeRO++: int4 weight gathers in blocks of 64 (the zeropp_4bit preset).
+    "zeropp_4bit": {k: v for k, v in PRESETS["zeropp_4bit"].items() if k != "stage"},
 }
 DEFAULT_VARIANTS = ["stage3", "qwZ", "hpZ", "qgZ", "zeropp"]
 

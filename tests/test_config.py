@@ -493,6 +493,7 @@ _FIELD_VALUES = {
     "stage": _mostly(st.integers(0, 4)),
     "quantized_weights": _mostly(st.booleans()),
     "weight_quant_block_elems": _mostly(st.sampled_from([16, 32, 256, 65536, 131072, 100])),
+    "weight_quant_bits": _mostly(st.sampled_from([2, 4, 8, 16])),
     "hpz_partition_size": _mostly(st.integers(0, 16)),
     "quantized_gradients": _mostly(st.booleans()),
     "gradient_quant_bits": _mostly(st.sampled_from([2, 4, 8, 16])),
@@ -604,6 +605,23 @@ def test_frozen_weight_bits_is_4_or_8(value, exc):
     assert ZeroConfig(quantize_frozen_weights=True, frozen_weight_bits=4).frozen_weight_bits == 4
     with pytest.raises(exc, match=rf"ZeroConfig.frozen_weight_bits={value!r} is invalid.*Fix: use 8 .* or 4"):
         ZeroConfig(frozen_weight_bits=value)
+
+
+@pytest.mark.parametrize("value,exc", [(2, ValueError), (16, ValueError), (True, TypeError), ("4", TypeError)])
+def test_weight_quant_bits_is_4_or_8(value, exc):
+    """issue 35: qwZ's codes, int8 (ZeRO++) or int4 (the zeropp_4bit preset); the plan and the
+    run's one-line description carry the choice."""
+    from zeropp_strategy import PRESETS
+    from zeropp_strategy.plan import resolve
+    from zeropp_strategy.topology import Topology
+
+    assert ZeroConfig().weight_quant_bits == 8
+    four = ZeroConfig(**PRESETS["zeropp_4bit"])
+    assert (four.weight_quant_bits, four.weight_quant_block_elems) == (4, 64)
+    plan = resolve(four, Topology(world_size=4, rank=0, ranks_per_node=2))
+    assert plan.weight_bits == 4 and "qwZ int4 gathers across nodes" in plan.describe()
+    with pytest.raises(exc, match=rf"ZeroConfig.weight_quant_bits={value!r} is invalid.*Fix: use 8 .* or 4"):
+        ZeroConfig(weight_quant_bits=value)
 
 
 def test_frozen_weight_bits_from_yaml_and_deepspeed(tmp_path):

@@ -268,3 +268,14 @@ def test_frozen_leaves_are_priced_as_the_run_gathers_them(tmp_path) -> None:
     assert without.gpu["gathered"] - with_leaves.gpu["gathered"] == C * table  # one leaf at a time, not both
     # the head's backward gather: its bf16 bytes once more, across nodes (M-1)/N of them
     assert with_leaves.inter_bytes - without.inter_bytes == pytest.approx(C * table * (2 - 1) / 4)
+
+
+def test_4bit_row_is_shown_and_never_recommended_on_its_own() -> None:
+    """issue 35: `zeropp_4bit` prices its int4 weight gathers (fewer cross-node bytes than
+    `zeropp`), but on a slow link, where it is fastest, the recommendation stays `zeropp`
+    and names it with the reason."""
+    rows = _rows(_shape(8e9, root=1e9, blocks=32), nodes=2, gpus_per_node=8, link=10e9 / 8)
+    four, zpp = rows["zeropp_4bit"], rows["zeropp"]
+    assert four.inter_bytes < 0.8 * zpp.inter_bytes and four.step_s < zpp.step_s
+    assert rows["_best"].name == "zeropp"
+    assert "zeropp_4bit would be" in rows["_why"] and "not recommended on its own" in rows["_why"]

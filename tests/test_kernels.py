@@ -312,6 +312,24 @@ def test_reference_cuda_matches_cpu(bits):
     _assert_equal("dequant_reduce_quantize_ref on cuda", tuple(t.cpu() for t in got), want)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("bits", [8, 4])
+def test_dequantize_gathered_cuda_matches_cpu(bits):
+    """qwZ's receive side on CUDA (int4: Triton's dequantize over every rank's codes at once,
+    the weight gathers of zeropp_4bit) writes the CPU reference's values, rows at odd sizes."""
+    from zeropp_strategy import kernels
+
+    world, numel, b = 3, 1000, 64
+    parts = [quantize_ref(_randn(f"gathered-cuda-{bits}-{r}", numel, torch.bfloat16), b, bits) for r in range(world)]
+    gathered = torch.stack([torch.cat([c.view(torch.uint8), s.view(torch.uint8)]) for c, s in parts])
+    kw = dict(code_bytes=parts[0][0].numel(), numel=numel, block_elems=b, bits=bits)
+    want = torch.empty(world * numel, dtype=torch.bfloat16)
+    kernels.dequantize_gathered(gathered, out=want, **kw)
+    got = torch.full((world * numel,), float("nan"), dtype=torch.bfloat16, device="cuda")
+    kernels.dequantize_gathered(gathered.cuda(), out=got, **kw)
+    _assert_equal("dequantize_gathered on cuda", got.cpu(), want)
+
+
 def _compile_ptx(kernel_name: str, signature: dict[str, str], constexprs: dict) -> str:
     import re
 

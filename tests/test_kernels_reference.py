@@ -150,41 +150,43 @@ def test_chunking_changes_no_bit(monkeypatch, bits):
         _assert_equal(f"result {i}", got, want)
 
 
-def _gathered(name: str, world: int, numel: int, block_elems: int) -> tuple[torch.Tensor, list, int]:
+def _gathered(name: str, world: int, numel: int, block_elems: int, bits: int = 8) -> tuple[torch.Tensor, list, int]:
     """(world, payload_bytes) uint8 rows as qwZ all-gathers them, each rank its own shard."""
-    parts = [quantize_ref(_randn(f"{name}/{r}", numel), block_elems, 8) for r in range(world)]
+    parts = [quantize_ref(_randn(f"{name}/{r}", numel), block_elems, bits) for r in range(world)]
     rows = [torch.cat([c.view(torch.uint8), s.view(torch.uint8)]) for c, s in parts]
     return torch.stack(rows), parts, parts[0][0].numel()
 
 
+@pytest.mark.parametrize("bits", (8, 4))
 @pytest.mark.parametrize("dname", list(DTYPES))
 @pytest.mark.parametrize("block_elems", BLOCKS)
 @pytest.mark.parametrize("world", (1, 2, 3, 4, 5))
-def test_dequantize_gathered_matches_dequantize_per_row(monkeypatch, world, block_elems, dname):
+def test_dequantize_gathered_matches_dequantize_per_row(monkeypatch, world, block_elems, dname, bits):
     from zeropp_strategy.kernels import reference as ref
 
     dtype = DTYPES[dname]
     for numel in NUMELS:
-        gathered, parts, code_bytes = _gathered(f"gather-{world}-{block_elems}", world, numel, block_elems)
-        want = torch.cat([kernels.dequantize(c, s, block_elems, numel, 8, dtype) for c, s in parts])
+        gathered, parts, code_bytes = _gathered(f"gather-{world}-{block_elems}", world, numel, block_elems, bits)
+        want = torch.cat([kernels.dequantize(c, s, block_elems, numel, bits, dtype) for c, s in parts])
         for chunk in (1 << 30, block_elems):  # one chunk, and a chunk per block
             monkeypatch.setattr(ref, "_CHUNK_ELEMS", chunk)
             out = torch.full((world * numel,), float("nan"), dtype=dtype)
-            kw = dict(code_bytes=code_bytes, numel=numel, block_elems=block_elems, out=out)
+            kw = dict(code_bytes=code_bytes, numel=numel, block_elems=block_elems, out=out, bits=bits)
             assert kernels.dequantize_gathered(gathered, **kw) is None
             _assert_equal(f"numel={numel} chunk={chunk}", out, want)
 
 
-def test_dequantize_gathered_misaligned_buffer():
+@pytest.mark.parametrize(("world", "bits"), [(3, 8), (3, 4), (1, 4)])
+def test_dequantize_gathered_misaligned_buffer(world, bits):
     """Rows at an odd byte offset (a slice of a bigger receive buffer): the scales cannot be
     viewed as fp32 in place, and are still read right."""
-    gathered, parts, code_bytes = _gathered("gather-odd", 3, 1000, 256)
+    gathered, parts, code_bytes = _gathered("gather-odd", world, 1000, 256, bits)
     buf = torch.zeros(1 + gathered.numel(), dtype=torch.uint8)
     buf[1:] = gathered.view(-1)
     odd = buf[1:].view(gathered.shape)
-    out = torch.empty(3, 1000, dtype=torch.bfloat16)  # any contiguous shape with world x numel elements
-    kernels.dequantize_gathered(odd, code_bytes=code_bytes, numel=1000, block_elems=256, out=out)
-    want = torch.cat([kernels.dequantize(c, s, 256, 1000, 8, torch.bfloat16) for c, s in parts])
+    out = torch.empty(world, 1000, dtype=torch.bfloat16)  # any contiguous shape with world x numel elements
+    kernels.dequantize_gathered(odd, code_bytes=code_bytes, numel=1000, block_elems=256, out=out, bits=bits)
+    want = torch.cat([kernels.dequantize(c, s, 256, 1000, bits, torch.bfloat16) for c, s in parts])
     _assert_equal("misaligned", out.view(-1), want)
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from zeropp_strategy.config import ZeroConfig
 from zeropp_strategy.plan import ByteModel, Cluster, ConfigEstimate, ModelShape, Workload, cost, leaf_counts, resolve
+from zeropp_strategy.presets import PRESETS
 from zeropp_strategy.topology import Topology
 
 __all__ = ["Cluster", "ConfigEstimate", "ModelShape", "Workload", "estimate", "main", "model_shape", "parse_bandwidth",
@@ -102,7 +103,8 @@ def model_shape(spec: str, *, lora: int = 0) -> ModelShape:
     params = sum(p.numel() for p in model.parameters())
     if params == 0:
         raise ValueError(f"MODEL={spec!r} has no parameters. Fix: name the model to train.")
-    blocks = select_blocks(model, wrap_modules=(), wrap_min_params=1_000_000)
+    min_params = ZeroConfig().wrap_min_params  # the run's default
+    blocks = select_blocks(model, wrap_modules=(), wrap_min_params=min_params)
     in_blocks = [sum(p.numel() for p in b.parameters()) for b in blocks]
     if lora:  # on every linear layer of the blocks: nn.Linear, and GPT-2's Conv1D (weight: in x out)
         trainable = sum(lora * sum(m.weight.shape) for b in blocks for m in b.modules()
@@ -116,7 +118,7 @@ def model_shape(spec: str, *, lora: int = 0) -> ModelShape:
     if lora:  # the base is frozen: at stage 3 an untied embedding and head become groups of their own
         model.requires_grad_(False)
     leaves = [(sum(p.numel() for p in leaf.parameters()), not isinstance(leaf, nn.Embedding))
-              for leaf in frozen_leaves(model, blocks, min_params=1_000_000)]
+              for leaf in frozen_leaves(model, blocks, min_params=min_params)]
     config = getattr(model, "config", None)
     hidden = int(getattr(config, "hidden_size", 0) or 0)
     vocab = int(getattr(config, "vocab_size", 0) or 0)
@@ -134,12 +136,16 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
     "zeropp_stage_2": {"stage": 2},
     "zeropp_stage_3": {"stage": 3},
     "zeropp": {"stage": 3, "quantized_weights": True, "hpz_partition_size": 0, "quantized_gradients": True},
+    "zeropp_4bit": dict(PRESETS["zeropp_4bit"]),
     "zeropp_stage_3 + offload_optimizer=cpu": {"stage": 3, "offload_optimizer": "cpu"},
     "zeropp_offload": {"stage": 3, "quantized_weights": True, "hpz_partition_size": 0, "quantized_gradients": True,
                        "offload_optimizer": "cpu", "offload_param": "cpu"},
     "zeropp_offload_nvme": {"stage": 3, "quantized_weights": True, "hpz_partition_size": 0,
                             "quantized_gradients": True, "offload_optimizer": "nvme", "offload_param": "nvme"},
 }
+NOT_RECOMMENDED = {"zeropp_4bit": "its loss is measured on one small model only (docs/zeropp.md, \"4-bit weight "
+                                   "gathers\")"}
+"""Rows shown but never recommended on their own, with the reason the recommendation names."""
 FROZEN_CONFIGS: dict[str, dict[str, Any]] = {
     "zeropp + frozen int8": {**CONFIGS["zeropp"], "quantize_frozen_weights": True},  # type: ignore[dict-item]
     "zeropp + frozen int4": {**CONFIGS["zeropp"], "quantize_frozen_weights": True,  # type: ignore[dict-item]
@@ -174,7 +180,7 @@ def estimate(m: ModelShape, c: Cluster, w: Workload, extra: dict[str, dict[str, 
         rows = [r for r in rows if r.name == "ddp" or "offload" in r.name]
     largest = rows[-2:]  # the configs that need the least GPU memory: the offload rows
     rows += [_one(name, cfg, m, c, w) for name, cfg in (extra or {}).items()]
-    fitting = [r for r in rows if r.fits]
+    fitting = [r for r in rows if r.fits and r.name not in NOT_RECOMMENDED]
     if not fitting:
         return rows, None, ("nothing fits: " + "; ".join(f"{r.name}: {r.why_not}" for r in largest)
                             + ". Fix: more GPUs or nodes, a smaller micro-batch, activation checkpointing, "
@@ -188,6 +194,9 @@ def estimate(m: ModelShape, c: Cluster, w: Workload, extra: dict[str, dict[str, 
            f"link {best.comm_s:.2f} s" + (f", offload {best.offload_s:.2f} s" if best.offload_s else "") + ")")
     if len(near) > 1:
         why += f"; the simplest of the {len(near)} configs within 5% of it"
+    for r in rows:
+        if r.name in NOT_RECOMMENDED and r.fits and r.step_s < 0.95 * best.step_s:
+            why += f"; {r.name} would be {r.step_s:.2f} s, not recommended on its own: {NOT_RECOMMENDED[r.name]}"
     return rows, best, why
 
 
@@ -231,7 +240,8 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
 
     p = ArgumentParser(prog=prog, description="Memory, bytes and time per config for MODEL on a cluster, "
                        "and the config to use (estimates: see docs/plan.md).")
-    p.add_argument("model", metavar="MODEL", nargs="?", help="a Hugging Face folder or its config.json, 'tiny' (the embedded "
+    p.add_argument("model", metavar="MODEL", nargs="?",
+                   help="a Hugging Face folder or its config.json, 'tiny' (the embedded "
                    "default), or module:Class (built with no arguments, on the meta device)")
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpus-per-node", type=int, default=8)

@@ -120,6 +120,7 @@ class ZeroPPPolicy:
 
     quantized_weights: bool
     weight_quant_block_elems: int
+    weight_quant_bits: int
     hpz_partition_size: int
     quantized_gradients: bool
     gradient_quant_bits: int
@@ -175,7 +176,8 @@ class Plan:
     ``quantized_gradients``: whether qwZ / qgZ quantize anything in this job;
     ``gradient_bits`` / ``gradient_bits_inside``: qgZ's codes across / inside nodes;
     ``error_feedback``: qgZ keeps its cross-node quantization error; ``frozen_weight_bits``:
-    frozen weights stored at 8 or 4 bits (0: dense); ``overlap_param_gather``: stage 1's
+    frozen weights stored at 8 or 4 bits (0: dense); ``weight_bits``: qwZ's codes (8 or 4);
+    ``overlap_param_gather``: stage 1's
     post-step gather finishes during the next forward; ``notes``: one line per fallback, saying why.
     """
 
@@ -198,6 +200,7 @@ class Plan:
     error_feedback: bool = False
     frozen_weight_bits: int = 0
     overlap_param_gather: bool = False
+    weight_bits: int = 8  # qwZ's codes, when quantized_weights
 
     def describe(self) -> str:
         """One line for the log: the plan's decisions."""
@@ -205,7 +208,7 @@ class Plan:
         if self.stage == 3:
             parts.append(f"hpZ group {self.hpz_group}" if self.hpz_group > 1 else "hpZ off")
         if self.quantized_weights:
-            parts.append("qwZ int8 gathers across nodes (the codes on both hops)")
+            parts.append(f"qwZ int{self.weight_bits} gathers across nodes (the codes on both hops)")
         if self.quantized_gradients:
             parts.append("qgZ quantized gradient reduce")
         parts.append(f"{'16-bit' if self.gather_16bit else 'full-precision'} gathers under mixed precision")
@@ -270,8 +273,8 @@ def explain(plan: Plan | None) -> list[str]:
                        "are gathered around their own forward (the head again in backward).")
         lines += [f"Parameters: sharded, 1/{N} of each FSDP group per rank, {held}.{frozen}", gathers]
         if plan.quantized_weights:
-            lines.append("qwZ: a gather that spans nodes sends int8 codes with one fp32 scale per block, on both hops; "
-                         "every rank computes with the same dequantized weights.")
+            lines.append(f"qwZ: a gather that spans nodes sends int{plan.weight_bits} codes with one fp32 scale per "
+                         "block, on both hops; every rank computes with the same dequantized weights.")
         small = ("Tensors below quantize_min_elems, and non-float ones, take the plain reduce-scatter in the reduce "
                  "dtype.")
         if plan.quantized_gradients and M > 1:
@@ -349,6 +352,7 @@ def resolve(config: ZeroConfig, topology: Topology, *, gather_16bit_default: boo
         error_feedback=quantized_gradients and not one_node and config.gradient_error_feedback,  # one node: no cross hop
         frozen_weight_bits=config.frozen_weight_bits if config.quantize_frozen_weights and stage > 1 else 0,
         overlap_param_gather=stage == 1 and config.overlap_param_gather,
+        weight_bits=config.weight_quant_bits,
     )
 
 
@@ -442,7 +446,6 @@ class ConfigEstimate:
         return sum(self.host.values())
 
 
-FROZEN = {8: 1 + 4 / 256, 4: 0.5 + 4 / 256}  # frozen int8/int4 shards: codes + a scale per 256
 RUNTIME_GPU_BYTES = 2 * 2**30  # CUDA context, cuBLAS workspaces, allocator slack
 RUNTIME_HOST_BYTES = 2**30  # per rank: Python, torch, the framework
 HOST_BYTES_PER_S = 10e9  # a host AdamW step, bytes of state per second per rank
@@ -464,6 +467,7 @@ class ByteModel:
     qw: float = 1 + 4 / 256  # a qwZ code with its share of a scale
     qg_across: float = 0.5 + 4 / 64  # a qgZ code across nodes
     qg_inside: float = 0.5 + 4 / 64  # ... and inside the node
+    frozen: float = 0.0  # a frozen int8/int4 code with its share of a scale; 0: the plan's bits in blocks of 256
 
     @classmethod
     def of(cls, config: ZeroConfig, precision: str, plan: Plan) -> ByteModel:
@@ -478,8 +482,11 @@ class ByteModel:
             reduce = 2.0 if true_half else 4.0
         block = config.gradient_quant_block_elems
         bits_inside = config.gradient_quant_bits_intra or config.gradient_quant_bits
+        weight_block = config.weight_quant_block_elems  # qwZ's block, and the frozen shards' too
         return cls(param=param, grad=param, optim=2 * param, gather=gather, reduce=reduce,
-                   qw=1 + 4 / config.weight_quant_block_elems, qg_across=config.gradient_quant_bits / 8 + 4 / block,
+                   qw=config.weight_quant_bits / 8 + 4 / weight_block,
+                   frozen=plan.frozen_weight_bits / 8 + 4 / weight_block if plan.frozen_weight_bits else 0.0,
+                   qg_across=config.gradient_quant_bits / 8 + 4 / block,
                    qg_inside=bits_inside / 8 + 4 / block)
 
 
@@ -511,7 +518,8 @@ def cost(name: str, plan: Plan | None, model: ModelShape, cluster: Cluster, work
     if frozen_bits:  # FSDP2 keeps no secondary shard of a block with int8/int4 weights: hpZ is off there
         hpz_group = 1
     # -- model states ------------------------------------------------------------------------
-    shard_param = (F * FROZEN[frozen_bits] + A * T) / N if frozen_bits else A * P / N
+    frozen_code = (b.frozen or frozen_bits / 8 + 4 / 256) if frozen_bits else 0.0
+    shard_param = (F * frozen_code + A * T) / N if frozen_bits else A * P / N
     if stage == 0:
         e.gpu.update(parameters=A * P, gradients=G * T, optimizer=K * T, buckets=G * T)
     elif stage == 1:
@@ -556,7 +564,7 @@ def cost(name: str, plan: Plan | None, model: ModelShape, cluster: Cluster, work
     # In a group holding frozen codes, the dense parameters travel with them at the gather
     # width (docs/zeropp.md, "Bytes per gather"), not as qwZ codes.
     wire = b.qw if qw else C
-    gather_plain = (F * FROZEN[frozen_bits] + C * T) if frozen_bits else C * P
+    gather_plain = (F * frozen_code + C * T) if frozen_bits else C * P
     gather_wire = gather_plain if frozen_bits else wire * P
     if stage == 0:  # DDP's ring all-reduce over N ranks: 2 (N-1)/N B per rank, M of the N hops cross
         ring = 2 * R * T * (N - 1) / N

@@ -15,6 +15,9 @@ __all__ = ["PRESETS"]
 PRESETS: dict[str, dict[str, Any]] = {
     # hpz_partition_size=0: ranks per node, resolved at setup.
     "zeropp": {"stage": 3, "quantized_weights": True, "hpz_partition_size": 0, "quantized_gradients": True},
+    # Beyond ZeRO++: the cross-node weight gathers in int4 (blocks of 64) instead of int8.
+    "zeropp_4bit": {"stage": 3, "quantized_weights": True, "weight_quant_bits": 4, "weight_quant_block_elems": 64,
+                    "hpz_partition_size": 0, "quantized_gradients": True},
     # Offload presets: ZeRO++ with the optimizer step on the host (ZeRO-Offload) and
     # parameter shards resting in host memory; the nvme one keeps optimizer state and
     # parameter shards on NVMe (ZeRO-Infinity), under $ZEROPP_NVME_PATH.

@@ -122,6 +122,11 @@ class ZeroConfig:
     """qwZ: all-gather stage-3 parameters as int8 blocks (one fp32 scale each). Stage 3 only."""
     weight_quant_block_elems: int = 256
     """Elements per qwZ quantization block: a power of two in 32..65536."""
+    weight_quant_bits: int = 8
+    """Bits per qwZ code: 8, or 4 (two codes per byte: with blocks of 64, 0.56 bytes per
+    gathered element against int8's 1.02, a rounding step 127/7 = 18x coarser). Only the
+    gathers that cross nodes are quantized; the ``zeropp_4bit`` preset sets 4 with blocks
+    of 64 (docs/zeropp.md, "4-bit weights"). No effect without ``quantized_weights``."""
     hpz_partition_size: int = 1
     """hpZ: ranks in a group holding a secondary parameter shard (usually ranks per node); 1 = off,
     0 = auto (ranks per node). Backward then all-gathers within the group, not across nodes.
@@ -434,6 +439,7 @@ _BOOL_FIELDS = ("overlap_param_gather", "quantized_weights", "quantized_gradient
                 "gradient_error_feedback",
                 "quantize_frozen_weights", "activation_checkpointing", "meta_init")
 _BITS_FIELDS = {  # field (4 or 8) -> fix
+    "weight_quant_bits": "use 8 (int8, ZeRO++'s qwZ) or 4 (int4: about half the bytes of a cross-node gather)",
     "gradient_quant_bits": "use 4 (least traffic) or 8 (more precise)",
     "gradient_quant_bits_intra": "use 8 (inside the node, where bytes are cheap), 4, or None (= gradient_quant_bits)",
     "frozen_weight_bits": "use 8 (int8, the default) or 4 (int4: half the bytes, a coarser step)",

@@ -182,7 +182,7 @@ class ZeroEngine:
             def quantized_gather() -> QuantizedAllGather:
                 return QuantizedAllGather(
                     self.ledger, topo, block_elems=cfg.weight_quant_block_elems, min_elems=cfg.quantize_min_elems,
-                    nodes=self.nodes,
+                    nodes=self.nodes, bits=self.plan.weight_bits,
                 )
 
             all_gather = quantized_gather

@@ -138,17 +138,31 @@ def dequantize(
 
 
 def dequantize_gathered(
-    gathered: torch.Tensor, *, code_bytes: int, numel: int, block_elems: int, out: torch.Tensor
+    gathered: torch.Tensor, *, code_bytes: int, numel: int, block_elems: int, out: torch.Tensor, bits: int = 8
 ) -> None:
     """qwZ's receive side: ``gathered`` (world, payload_bytes) uint8, row r the payload
-    ``cat([codes.view(uint8), scales.view(uint8)])`` of ``quantize(shard, block_elems, 8)`` for
-    a ``numel``-element shard (``code_bytes`` = padded numel) -> ``out[r * numel : (r + 1) *
-    numel]`` = row r dequantized into out's float dtype, every op over all rows at once (no
-    loop over ranks). Equal to ``dequantize`` of each row; torch on every device (see
-    [Note: kernel dispatch])."""
-    check_quant_args(block_elems, 8)
-    check_gathered(gathered, code_bytes, numel, block_elems, out)
-    dequantize_gathered_ref(gathered, code_bytes=code_bytes, numel=numel, block_elems=block_elems, out=out)
+    ``cat([codes.view(uint8), scales.view(uint8)])`` of ``quantize(shard, block_elems, bits)``
+    for a ``numel``-element shard (``code_bytes`` = padded numel x bits / 8) -> ``out[r * numel
+    : (r + 1) * numel]`` = row r dequantized into out's float dtype, every op over all rows
+    at once (no loop over ranks). Equal to ``dequantize`` of each row. int8: torch on every
+    device; int4: the rows' codes and scales side by side, then one ``dequantize`` of them all
+    (Triton on CUDA, [Note: kernel dispatch])."""
+    check_quant_args(block_elems, bits)
+    check_gathered(gathered, code_bytes, numel, block_elems, out, bits)
+    if bits == 8:
+        dequantize_gathered_ref(gathered, code_bytes=code_bytes, numel=numel, block_elems=block_elems, out=out)
+        return
+    world, nb = gathered.shape[0], num_blocks(numel, block_elems)
+    if world == 0 or numel == 0:
+        return
+    codes = gathered[:, :code_bytes].reshape(-1)  # a copy: every row's codes, one after another
+    scale_bytes = gathered[:, code_bytes : code_bytes + 4 * nb].reshape(-1)
+    if scale_bytes.storage_offset() % 4:  # one row of a misaligned buffer: reshape kept the view
+        scale_bytes = scale_bytes.clone()
+    scales = scale_bytes.view(torch.float32)
+    padded = padded_numel(numel, block_elems)
+    values = dequantize(codes, scales, block_elems, world * padded, bits, dtype=out.dtype)
+    out.view(world, numel).copy_(values.view(world, padded)[:, :numel])
 
 
 def swizzle_quantize(

@@ -91,9 +91,10 @@ def check_quantized(
     return codes_per, scales_per
 
 
-def check_gathered(gathered: torch.Tensor, code_bytes: int, numel: int, block_elems: int, out: torch.Tensor) -> None:
-    """``gathered`` holds one int8 payload (codes, then fp32 scales as bytes) per row for
-    ``numel`` elements in blocks of ``block_elems``, and ``out`` takes every row's values."""
+def check_gathered(gathered: torch.Tensor, code_bytes: int, numel: int, block_elems: int, out: torch.Tensor,
+                   bits: int = 8) -> None:
+    """``gathered`` holds one int8 (or int4) payload (codes, then fp32 scales as bytes) per row
+    for ``numel`` elements in blocks of ``block_elems``, and ``out`` takes every row's values."""
     if gathered.dtype != torch.uint8 or gathered.dim() != 2:
         raise TypeError(
             f"gathered is {gathered.dtype} of shape {tuple(gathered.shape)}; it must be uint8 of shape "
@@ -101,11 +102,11 @@ def check_gathered(gathered: torch.Tensor, code_bytes: int, numel: int, block_el
         )
     if not isinstance(numel, int) or numel < 0:
         raise ValueError(f"numel={numel!r} is not a count of elements. Fix: pass the shard's numel.")
-    want_codes, nb = padded_numel(numel, block_elems), num_blocks(numel, block_elems)
+    want_codes, nb = padded_numel(numel, block_elems) * bits // 8, num_blocks(numel, block_elems)
     if code_bytes != want_codes or gathered.shape[1] != want_codes + 4 * nb:
         raise ValueError(
             f"code_bytes={code_bytes!r} and payload rows of {gathered.shape[1]} bytes do not hold numel={numel} "
-            f"elements as int8 blocks of block_elems={block_elems} (want code_bytes={want_codes} and "
+            f"elements as int{bits} blocks of block_elems={block_elems} (want code_bytes={want_codes} and "
             f"{want_codes + 4 * nb}-byte rows). Fix: pass the numel and block_elems the shard was quantized with."
         )
     if not out.is_floating_point() or out.numel() != gathered.shape[0] * numel or not out.is_contiguous():
