@@ -49,9 +49,14 @@ def _text(out: bytes | str | None) -> str:
 def _save_partial(args: argparse.Namespace, r: dict) -> None:
     """The part's figures so far, where check.py reads them: a part killed by its backstop
     (a child that takes long to die: 64 GiB of pinned host memory to unpin) keeps what finished."""
-    tmp = args.result.with_suffix(".partial")
-    tmp.write_text(json.dumps({**r, "status": "partial"}, indent=1) + "\n")
-    os.replace(tmp, args.result)  # whole or not at all: the backstop's kill may land mid-write
+    _write_json(args.result, {**r, "status": "partial"})
+
+
+def _write_json(path: Path, r: dict) -> None:
+    """Whole or not at all: the driver's backstop kill may land mid-write."""
+    tmp = path.with_suffix(".partial")
+    tmp.write_text(json.dumps(r, indent=1) + "\n")
+    os.replace(tmp, path)
 
 
 def _cuda(dry_run: bool) -> bool:
@@ -491,7 +496,7 @@ def main() -> int:
         traceback.print_exc()
         saved = json.loads(args.result.read_text()) if args.result.exists() else {}  # a part's figures so far
         r = {**saved, "status": "failed", "error": f"{type(e).__name__}: {str(e)[:2000]}"}
-    args.result.write_text(json.dumps(r, indent=1) + "\n")  # check.py puts it in --work: later parts read env's
+    _write_json(args.result, r)  # check.py puts it in --work: later parts read env's
     return 0 if r["status"] in ("ok", "refused") else 1
 
 

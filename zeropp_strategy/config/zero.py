@@ -126,7 +126,7 @@ class ZeroConfig:
     """Bits per qwZ code: 8, or 4 (two codes per byte: with blocks of 64, 0.56 bytes per
     gathered element against int8's 1.02, a rounding step 127/7 = 18x coarser). Only the
     gathers that cross nodes are quantized; the ``zeropp_4bit`` preset sets 4 with blocks
-    of 64 (docs/zeropp.md, "4-bit weights"). No effect without ``quantized_weights``."""
+    of 64 (docs/zeropp.md, "4-bit weight gathers"). No effect without ``quantized_weights``."""
     hpz_partition_size: int = 1
     """hpZ: ranks in a group holding a secondary parameter shard (usually ranks per node); 1 = off,
     0 = auto (ranks per node). Backward then all-gathers within the group, not across nodes.

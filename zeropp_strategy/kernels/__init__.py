@@ -3,7 +3,7 @@
     from zeropp_strategy import kernels
     codes, scales = kernels.quantize(x, block_elems=256, bits=8)
     y = kernels.dequantize(codes, scales, 256, x.numel(), bits=8, dtype=x.dtype)
-    # qwZ: (world, payload_bytes) all-gathered int8 payloads -> world x numel values, one pass
+    # qwZ: (world, payload_bytes) all-gathered int8 (or int4, bits=4) payloads -> world x numel values
     kernels.dequantize_gathered(gathered, code_bytes=codes.numel(), numel=x.numel(), block_elems=256, out=out)
 
 Layout, rounding and error bound: [Note: quantization conventions] in reference.py.
@@ -15,9 +15,11 @@ Every function here picks its back end per call, from its first tensor argument:
   call). For CPU tensors that needs ``TRITON_INTERPRET=1`` set before triton is first
   imported: that is how tests/test_kernels.py runs the kernels without a GPU;
 - the torch reference (reference.py) otherwise: CPU tensors, or CUDA without triton.
-``dequantize_gathered`` is the exception: torch on every device (no Triton kernel; a few
-elementwise ops, each over all rows at once), equal to ``dequantize`` of each row on either
-back end.
+``dequantize_gathered`` is the exception for int8: torch on every device (no Triton kernel;
+a few elementwise ops, each over all rows at once); its int4 path copies every row's codes
+and scales side by side and makes one ``dequantize`` of them (dispatched as above), then
+copies the rows into ``out`` (a transient buffer of the gathered size). Either way it
+equals ``dequantize`` of each row on either back end.
 Both back ends produce the same bytes (codes, scales and dequantized values; checked by
 tests/test_kernels.py), so which one a rank used never changes what its peers receive.
 triton is imported on first Triton dispatch only, so this package imports without it.
