@@ -12,7 +12,7 @@ B = 256) or 4n for fp32. A gather whose group lies within one node (hpZ's backwa
 gather) or whose shard is smaller than ``quantize_min_elems`` goes unquantized.
 With ``ZeroConfig.weight_quant_bits=4`` the codes are int4, two per byte: (n_pad / 2 +
 4 n_pad / B) per peer, 0.28x a 16-bit gather at B = 64 (0.55x int8's at B = 256). The
-forward then computes with weights 18x more coarsely rounded; the fp32 master weights the
+forward then computes with weights up to 18x more coarsely rounded; the fp32 master weights the
 optimizer steps are untouched, so the rounding does not accumulate across steps.
 
 [Note: qgZ]
