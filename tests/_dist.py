@@ -40,7 +40,9 @@ returning, and pass arguments plain pickle can carry (no multiprocessing locks o
 queues). A call that fails, times out or is left by any exception (pytest-timeout's)
 kills the whole pool (its ranks may be stuck in a collective, or hold the failure's
 state), and the next call starts a new one; a pool process that ends on its own is
-reported and replaced; one whose pytest is killed ends within 5 s.
+reported and replaced; one whose pytest is killed ends within 2 s, also in the middle of a
+call (a daemon thread watches pytest: before, a call ran on to its end, or to a collective's
+timeout where a peer had died).
 
 ``fresh=True`` runs a call in processes of its own, for a worker that tests what happens
 once per process or at its exit. The pool's check of the threads found a leak on its
@@ -70,6 +72,7 @@ import os
 import pickle
 import queue
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -183,6 +186,13 @@ def _entry(
             dist.destroy_process_group()
 
 
+def _exit_with(parent: Any) -> None:
+    """A pool process's watch on pytest: when it is gone, end this process at once."""
+    while parent.is_alive():
+        time.sleep(2)
+    os._exit(1)
+
+
 def _serve(slot: int, tasks: mp.Queue, out: mp.Queue) -> None:
     """One process of the pool: runs one rank of each call it is given, then leaves the
     process as a fresh one would find it ([Note: the rank pool])."""
@@ -197,12 +207,14 @@ def _serve(slot: int, tasks: mp.Queue, out: mp.Queue) -> None:
     cwd, filters = os.getcwd(), list(warnings.filters)
     default_dtype, torch_seed = torch.get_default_dtype(), torch.initial_seed()
     parent = mp.parent_process()
+    if parent is not None:  # pytest killed mid-call: this rank stops now, not after its call (or a peer's timeout)
+        threading.Thread(target=_exit_with, args=(parent,), name="zeropp-pool-parent", daemon=True).start()
     out.put(("ready", slot, True, b""))
     while True:
         try:
             task = tasks.get(timeout=5)
         except queue.Empty:
-            if parent is not None and not parent.is_alive():  # pytest was killed: no orphans
+            if parent is not None and not parent.is_alive():  # pytest was killed: no orphans (and _exit_with)
                 return
             continue
         if task is None:
