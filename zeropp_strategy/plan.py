@@ -177,6 +177,8 @@ class Plan:
     ``gradient_bits`` / ``gradient_bits_inside``: qgZ's codes across / inside nodes;
     ``error_feedback``: qgZ keeps its cross-node quantization error; ``frozen_weight_bits``:
     frozen weights stored at 8 or 4 bits (0: dense); ``weight_bits``: qwZ's codes (8 or 4);
+    ``weight_block_elems`` / ``gradient_block_elems`` / ``quantize_min_elems`` /
+    ``error_beta`` / ``error_reset_steps``: the collectives' parameters, as configured;
     ``overlap_param_gather``: stage 1's
     post-step gather finishes during the next forward; ``notes``: one line per fallback, saying why.
     """
@@ -201,6 +203,11 @@ class Plan:
     frozen_weight_bits: int = 0
     overlap_param_gather: bool = False
     weight_bits: int = 8  # qwZ's codes, when quantized_weights
+    weight_block_elems: int = 256  # qwZ's (and the frozen shards') elements per scale
+    gradient_block_elems: int = 64  # qgZ's
+    quantize_min_elems: int = 4096  # smaller tensors take the plain collectives
+    error_beta: float = 0.8  # error feedback's moving average, when error_feedback
+    error_reset_steps: int = 1024  # ... and its reset period (0: never)
 
     def describe(self) -> str:
         """One line for the log: the plan's decisions."""
@@ -353,6 +360,11 @@ def resolve(config: ZeroConfig, topology: Topology, *, gather_16bit_default: boo
         frozen_weight_bits=config.frozen_weight_bits if config.quantize_frozen_weights and stage > 1 else 0,
         overlap_param_gather=stage == 1 and config.overlap_param_gather,
         weight_bits=config.weight_quant_bits,
+        weight_block_elems=config.weight_quant_block_elems,
+        gradient_block_elems=config.gradient_quant_block_elems,
+        quantize_min_elems=config.quantize_min_elems,
+        error_beta=config.gradient_error_beta,
+        error_reset_steps=config.gradient_error_reset_steps,
     )
 
 

@@ -137,7 +137,7 @@ class ZeroEngine:
 
     @property
     def stage(self) -> int:
-        return self.config.stage
+        return self.plan.stage
 
     @property
     def rank(self) -> int:
@@ -172,7 +172,7 @@ class ZeroEngine:
         plan decided for this topology (asked for on one node, they log why they are off)."""
         from zeropp_strategy.comm.zeropp import ErrorFeedback, HierarchicalQuantReduceScatter, QuantizedAllGather
 
-        cfg, topo = self.config, self.topology
+        cfg, plan, topo = self.config, self.plan, self.topology  # cfg: what was asked, for the notes
         all_gather: Any = None
         reduce_scatter: Any = None
         if cfg.quantized_weights:
@@ -181,8 +181,8 @@ class ZeroEngine:
 
             def quantized_gather() -> QuantizedAllGather:
                 return QuantizedAllGather(
-                    self.ledger, topo, block_elems=cfg.weight_quant_block_elems, min_elems=cfg.quantize_min_elems,
-                    nodes=self.nodes, bits=self.plan.weight_bits,
+                    self.ledger, topo, block_elems=plan.weight_block_elems, min_elems=plan.quantize_min_elems,
+                    nodes=self.nodes, bits=plan.weight_bits,
                 )
 
             all_gather = quantized_gather
@@ -197,14 +197,14 @@ class ZeroEngine:
                     topo,
                     intra_group=self.meshes.intra_group,
                     inter_group=self.meshes.inter_group,
-                    bits=cfg.gradient_quant_bits,
-                    block_elems=cfg.gradient_quant_block_elems,
-                    min_elems=cfg.quantize_min_elems,
+                    bits=plan.gradient_bits,
+                    block_elems=plan.gradient_block_elems,
+                    min_elems=plan.quantize_min_elems,
                     nodes=self.nodes,
                     deferral=self.deferral(),
-                    intra_bits=cfg.gradient_quant_bits_intra,
+                    intra_bits=plan.gradient_bits_inside,
                     wire_dtype=self.reduce_dtype(),
-                    feedback=ErrorFeedback(beta=cfg.gradient_error_beta, reset_steps=cfg.gradient_error_reset_steps,
+                    feedback=ErrorFeedback(beta=plan.error_beta, reset_steps=plan.error_reset_steps,
                                            layout=(topo.num_nodes, topo.ranks_per_node))
                     if self.plan.error_feedback else None,
                 )
@@ -238,7 +238,7 @@ class ZeroEngine:
 
     def reduce_dtype(self) -> torch.dtype | None:
         """The gradient reduce's dtype from ``ZeroConfig.reduce_dtype`` (None: the precision's own)."""
-        return REDUCE_DTYPES[self.config.reduce_dtype] if self.config.reduce_dtype is not None else None
+        return REDUCE_DTYPES[self.plan.reduce_dtype] if self.plan.reduce_dtype is not None else None
 
     def wrap_ddp(self, module: nn.Module, *, grad_read_advice: str | None = None) -> DistributedDataParallel:
         """Stage 1: DDP whose gradient buckets are reduce-scattered by rows ([Note: stage-1
@@ -285,7 +285,7 @@ class ZeroEngine:
         )
         model = root.module if isinstance(root, ShardedRoot) else root
         what = f"parameter shards and gradients of {type(model).__name__}"
-        if self.config.offload_param.device == "nvme":
+        if self.plan.offload_param == "nvme":
             from zeropp_strategy.offload.params import ParamStore
 
             # Gradients follow the plan: on NVMe only when host memory has no room for them
@@ -302,7 +302,7 @@ class ZeroEngine:
                 what = (f"parameter shards of {type(model).__name__} (their gradients stay in host memory: the memory "
                         "plan has room for them)")
             self.log_offload("offload_param", what, store.swap_dir)
-        elif self.config.offload_param.device == "cpu":
+        elif self.plan.offload_param == "cpu":
             self.log_offload("offload_param", what)
         return blocks
 
@@ -329,7 +329,7 @@ class ZeroEngine:
 
     def module_to_device(self, module: nn.Module) -> None:
         """Move to the device, except parameter shards that offload keeps on the host."""
-        if self.stage == 3 and self.config.offload_param.device != "none" and fsdp_modules(module):
+        if self.stage == 3 and self.plan.offload_param != "none" and fsdp_modules(module):
             for m in module.modules():  # FSDP2 keeps sharded params on the host; buffers go
                 for name, buf in m._buffers.items():
                     if buf is not None:
@@ -402,7 +402,7 @@ class ZeroEngine:
                 nodes=self.nodes, overlap_param_gather=self.config.overlap_param_gather,
             )
         release = self._release_params
-        if self.config.offload_optimizer.device != "none":
+        if self.plan.offload_optimizer != "none":
             return self.agree("building the offloaded optimizer", lambda: self._offload(optimizer))
         if isinstance(optimizer, LocalStepOptimizer):
             return optimizer
