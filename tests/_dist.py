@@ -211,12 +211,7 @@ def _serve(slot: int, tasks: mp.Queue, out: mp.Queue) -> None:
         threading.Thread(target=_exit_with, args=(parent,), name="zeropp-pool-parent", daemon=True).start()
     out.put(("ready", slot, True, b""))
     while True:
-        try:
-            task = tasks.get(timeout=5)
-        except queue.Empty:
-            if parent is not None and not parent.is_alive():  # pytest was killed: no orphans (and _exit_with)
-                return
-            continue
+        task = tasks.get()  # pytest killed: _exit_with ends the process
         if task is None:
             return
         call, payload, rank, world_size, port, env, init_process_group = task
