@@ -179,7 +179,7 @@ def test_the_bytes_per_element_follow_the_runs_precision(precision, fields, want
     from zeropp_strategy.topology import Topology
 
     config = ZeroConfig(stage=3, quantized_gradients=True, gradient_quant_bits_intra=8, **fields)
-    b = ByteModel.of(config, precision, resolve(config, Topology(world_size=4, rank=0, ranks_per_node=2)))
+    b = ByteModel.of(precision, resolve(config, Topology(world_size=4, rank=0, ranks_per_node=2)))
     assert (b.param, b.grad, b.optim, b.gather, b.reduce) == want
     assert (b.qg_across, b.qg_inside, b.qw) == (0.5 + 4 / 64, 1 + 4 / 64, 1 + 4 / 256)
 

@@ -161,7 +161,7 @@ def _one(name: str, cfg: dict[str, Any] | None, m: ModelShape, c: Cluster, w: Wo
     fields = {k: ({"device": v, "nvme_path": c.nvme} if v == "nvme" else v) for k, v in cfg.items()}
     config = ZeroConfig(**fields)
     plan = resolve(config, Topology(world_size=c.world, rank=0, ranks_per_node=c.gpus_per_node))
-    e = cost(name, plan, m, c, w, b=ByteModel.of(config, "bf16-mixed", plan))
+    e = cost(name, plan, m, c, w, b=ByteModel.of("bf16-mixed", plan))
     e.zero_config = dict(cfg)
     return e
 

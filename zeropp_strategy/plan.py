@@ -30,7 +30,7 @@ block. The formulas are the ones docs/stages.md and docs/zeropp.md derive and th
 measures; the bytes per element are a ``ByteModel``: under ``bf16-mixed`` with AdamW (the
 default) fp32 parameters (``a = 4`` bytes), fp32 gradients (``g = 4``), two fp32 moments
 (``k = 8``), 16-bit gathers (``c = 2``), fp32 reduces (``r = 4``); ``ByteModel.of`` reads
-them from a run's precision and config (bits and blocks of qwZ and qgZ per hop). ``M`` nodes
+them from a run's precision and plan (bits and blocks of qwZ and qgZ per hop). ``M`` nodes
 of ``L`` GPUs, ``N = M L`` ranks.
 
 - **Memory per GPU**: parameters, gradients and optimizer state as each stage holds them;
@@ -482,9 +482,9 @@ class ByteModel:
     frozen: float = 0.0  # a frozen int8/int4 code with its share of a scale; 0: the plan's bits in blocks of 256
 
     @classmethod
-    def of(cls, config: ZeroConfig, precision: str, plan: Plan) -> ByteModel:
+    def of(cls, precision: str, plan: Plan) -> ByteModel:
         """The bytes of a run: its precision flag (Lightning's names), the plan's gather and
-        reduce dtypes, the config's bits and blocks per hop."""
+        reduce dtypes, bits and blocks per hop."""
         half = 2.0 if precision.startswith(("bf16", "16")) else 4.0
         true_half = precision.endswith("-true") and half == 2.0  # bf16-true: everything in 16 bits
         param = half if true_half else 4.0
@@ -492,14 +492,12 @@ class ByteModel:
         reduce = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0}.get(str(plan.reduce_dtype))  # ZeroConfig.reduce_dtype
         if reduce is None:  # the precision's own: fp32 under mixed precision, the parameters' otherwise
             reduce = 2.0 if true_half else 4.0
-        block = config.gradient_quant_block_elems
-        bits_inside = config.gradient_quant_bits_intra or config.gradient_quant_bits
-        weight_block = config.weight_quant_block_elems  # qwZ's block, and the frozen shards' too
+        block, weight_block = plan.gradient_block_elems, plan.weight_block_elems  # the frozen shards' too
         return cls(param=param, grad=param, optim=2 * param, gather=gather, reduce=reduce,
-                   qw=config.weight_quant_bits / 8 + 4 / weight_block,
+                   qw=plan.weight_bits / 8 + 4 / weight_block,
                    frozen=plan.frozen_weight_bits / 8 + 4 / weight_block if plan.frozen_weight_bits else 0.0,
-                   qg_across=config.gradient_quant_bits / 8 + 4 / block,
-                   qg_inside=bits_inside / 8 + 4 / block)
+                   qg_across=plan.gradient_bits / 8 + 4 / block,
+                   qg_inside=plan.gradient_bits_inside / 8 + 4 / block)
 
 
 def activations(model: ModelShape, workload: Workload) -> float:

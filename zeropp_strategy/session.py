@@ -264,10 +264,10 @@ class ZeroSession:
             log.debug("%s", self.explain())
 
     def _bytes_per_element(self) -> ByteModel:
-        """``ByteModel.of`` this run's config, precision and plan, made once per precision."""
+        """``ByteModel.of`` this run's precision and plan, made once per precision."""
         key = self.precision.precision
         if self._byte_model is None or self._byte_model[0] != key:
-            self._byte_model = (key, ByteModel.of(self.config, key, self.plan))
+            self._byte_model = (key, ByteModel.of(key, self.plan))
         return self._byte_model[1]
 
     def estimates(self) -> dict[str, ConfigEstimate]:

@@ -428,4 +428,3 @@ def _weak_hook(method: Callable[[Tensor], None]) -> Callable[[Tensor], None]:
             bound(param)
 
     return hook
-
