@@ -54,6 +54,40 @@ def test_rows_quantize_like_padded_flat_blocks(shape, dtype):
     assert ((back - x.float().reshape(rows, cols)).abs() <= step / 2 + eps + 1e-7).all()
 
 
+@pytest.mark.parametrize("bits", (8, 4))
+@pytest.mark.parametrize("cols", (2 * B, 2 * B - 3))  # rows of whole blocks; rows ending in a partial block
+def test_dequantize_rows_into_out_holds_no_copy_of_the_whole(monkeypatch, bits, cols):
+    """Into ``out`` (FSDP2's kept unsharded weight, refilled at every gather after the first) the
+    values are those of a fresh dequantize, and no buffer of the whole tensor's size is made
+    beside ``out``: rows of whole blocks are dequantized straight into it, others in chunks."""
+    import zeropp_strategy.engine.frozen as frozen
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(40, cols, generator=g)
+    codes, scales = quantize_rows(x, B, bits)
+    want = dequantize_rows(codes, scales, B, torch.float32, bits=bits, row_elems=cols)
+    made: list[int] = []  # elements of each buffer kernels.dequantize allocates
+    real = kernels.dequantize
+
+    def spy(*args, out=None, **kwargs):
+        result = real(*args, out=out, **kwargs)
+        if out is None:
+            made.append(result.numel())
+        return result
+
+    monkeypatch.setattr(frozen.kernels, "dequantize", spy)
+    monkeypatch.setattr(frozen, "_ROW_CHUNK_ELEMS", 8 * 2 * B)  # 8 padded rows per chunk
+    for dtype in (torch.float32, torch.bfloat16):
+        out = torch.full((40, cols), float("nan"), dtype=dtype)
+        made.clear()
+        assert dequantize_rows(codes, scales, B, dtype, bits=bits, row_elems=cols, out=out) is out
+        assert torch.equal(out, want.to(dtype)), dtype
+        assert made == ([] if cols == 2 * B else [8 * 2 * B] * 5), made
+    made.clear()  # and without out: the result is the one buffer
+    assert torch.equal(dequantize_rows(codes, scales, B, torch.float32, bits=bits, row_elems=cols), want)
+    assert made == ([] if cols == 2 * B else [8 * 2 * B] * 5), made
+
+
 def test_int8_weight_halves_16bit_storage():
     x = torch.randn(512, 1024, dtype=torch.bfloat16)
     w = Int8Weight.from_dense(x, 256)

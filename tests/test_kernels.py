@@ -101,6 +101,11 @@ def _check_roundtrip(x: torch.Tensor, block_elems: int, bits: int) -> None:
             _dev("dequantize", *want, block_elems, x.numel(), bits, dtype),
             dequantize_ref(*want, block_elems, x.numel(), bits, dtype),
         )
+    # into a given buffer (its dtype): the same values, written there
+    buf = torch.full((x.numel(),), float("nan"), dtype=x.dtype, device=_DEVICE)
+    got = kernels.dequantize(*(t.to(_DEVICE) for t in want), block_elems, x.numel(), bits, out=buf)
+    assert got.data_ptr() == buf.data_ptr()
+    _assert_equal("dequantize->out", buf.cpu(), dequantize_ref(*want, block_elems, x.numel(), bits, x.dtype))
 
 
 def _tie_ks(bits: int) -> list[int]:
@@ -415,6 +420,9 @@ def test_bad_buffers_are_user_errors(monkeypatch):
         kernels.dequantize(codes, scales, 32, 129)
     with pytest.raises(TypeError, match="codes have dtype torch.uint8 for bits=8.*Fix:"):
         kernels.dequantize(codes.view(torch.uint8), scales, 32, 100)
+    for out in (torch.empty(99), torch.empty(100, dtype=torch.int32), torch.empty(200)[::2]):
+        with pytest.raises(ValueError, match="out is .*numel=100.*Fix:"):
+            kernels.dequantize(codes, scales, 32, 100, out=out)
     with pytest.raises(ValueError, match="sources=3.*Fix:"):
         kernels.dequant_reduce_quantize(codes, scales, sources=3, numel=100, block_elems=32)
     with pytest.raises(ValueError, match="chunk_elems=30.*Fix:"):

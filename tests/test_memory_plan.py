@@ -62,6 +62,9 @@ def test_frozen_int4_weights_are_planned_at_their_stored_size_and_get_no_gradien
     dense = [p for p in params if all(p is not q for q in quantized)]
     trainable = [p for p in params if p.requires_grad]
     assert host["parameter shards (in memory)"] == codes + _shard_bytes(dense, 2)
+    # a group's gathered codes (both ranks' shards) beside the weights dequantized from them
+    assert host["gathered int8/int4 codes of the group being dequantized"] == 2 * max(
+        math.ceil(p.shape[0] / 2) * (math.ceil(p[0].numel() / 2) + 4 * math.ceil(p[0].numel() / 32)) for p in quantized)
     assert host["gradient shards (in memory)"] == _shard_bytes(trainable, 2)
     block_trainable = sum(p.numel() for p in blocks[0].parameters() if p.requires_grad)
     root_trainable = sum(p.numel() for p in trainable) - 3 * block_trainable
@@ -268,6 +271,7 @@ def _worker(rank: int, world: int, tmp: str) -> dict:
 
     from tests._models import MetaInitModule, trainer_kwargs
     from zeropp_strategy import ZeroPPStrategy
+    from zeropp_strategy.engine import core
     from zeropp_strategy.engine.state import full_model_state
 
     out: dict = {}
@@ -317,7 +321,14 @@ def _worker(rank: int, world: int, tmp: str) -> dict:
         # reduce-scatters the sum.
         trainer = Trainer(strategy=ZeroPPStrategy(stage=3, **fields), callbacks=[watch],
                           **trainer_kwargs(world, max_steps=4, accumulate_grad_batches=2))
-        trainer.fit(module)
+        trims: list[int] = []  # the engine's heap trims after a step (a planned run only)
+        real_trim = core.trim_heap
+        core.trim_heap = lambda: (trims.append(trainer.global_step), real_trim())
+        try:
+            trainer.fit(module)
+        finally:
+            core.trim_heap = real_trim
+        out.setdefault("trims", {})[name] = len(trims)
         runs[name] = (watch, full_model_state(module))
         plan = trainer.strategy._session.engine.memory_plan if name == "nvme" else None
         if plan is not None:
@@ -338,6 +349,8 @@ def test_refused_on_every_rank_and_streamed_init_equals_whole(tmp_path):
         assert "ZeroConfig.host_memory_budget_bytes" in out["refused"] and "GiB" in out["refused"], out["refused"]
         assert "Fix:" in out["refused"] and "zeropp memory plan" in out["refused"], out["refused"]
         assert out["swap_after_refusal"] == [], out  # refused before the swap files
+        # a run the plan holds to a budget gives the heap back after each of its 4 steps
+        assert out["trims"] == {"stage3": 0, "nvme": 4, "nvme_grads": 0}, out["trims"]
         for name in ("nvme", "nvme_grads"):
             assert out[name]["init_diff"] == 0.0, (name, out)
             assert out[name]["final_diff"] <= TOL, (name, out)

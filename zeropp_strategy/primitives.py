@@ -9,7 +9,8 @@ sits below the engine: the engine drives the host optimizer and the parameter st
   ``ShardedOptimizer``, ``OffloadOptimizer``, ``LocalStepOptimizer``; also importable
   from ``zeropp_strategy.engine.stage1``);
 - ``follows_param``: whether an optimizer state entry is laid out like its parameter
-  (also importable from ``zeropp_strategy.engine.state``).
+  (also importable from ``zeropp_strategy.engine.state``);
+- ``trim_heap``: give the host heap's free pages back to the OS (glibc's ``malloc_trim``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-__all__ = ["WrappingOptimizer", "follows_param", "is_dtensor", "local"]
+__all__ = ["WrappingOptimizer", "follows_param", "is_dtensor", "local", "trim_heap"]
 
 
 def is_dtensor(t: object) -> bool:
@@ -32,6 +33,29 @@ def is_dtensor(t: object) -> bool:
 def local(t: Tensor) -> Tensor:
     """This rank's part: the local shard of a DTensor, the tensor itself otherwise."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+_LIBC: Any = None
+
+
+def trim_heap() -> None:
+    """Give the host heap's free pages back to the OS: glibc's ``malloc_trim(0)``, which
+    returns the whole free pages of every arena, also those between chunks in use; a no-op
+    where the C library is not glibc. Tensors below glibc's mmap threshold (up to 32 MiB,
+    raised as large blocks are freed) come from the heap, and a heap fragmented by a step's
+    temporaries keeps their pages resident after they are freed ([Note: the memory plan]
+    in engine/memory_plan.py has the measurement)."""
+    global _LIBC
+    if _LIBC is None:
+        try:
+            import ctypes
+
+            _LIBC = ctypes.CDLL("libc.so.6")
+            _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
 
 
 def follows_param(key: str, value: Any, param: torch.Tensor) -> bool:

@@ -64,6 +64,7 @@ from zeropp_strategy.engine.stage1 import ShardedOptimizer
 from zeropp_strategy.engine.stage1_reduce import PartitionedReduce, partitioned_reduce_hook
 from zeropp_strategy.engine.watchdog import PeerWatchdog
 from zeropp_strategy.plan import resolve
+from zeropp_strategy.primitives import trim_heap
 from zeropp_strategy.topology import Meshes, Topology
 
 log = logging.getLogger(__name__)
@@ -414,6 +415,13 @@ class ZeroEngine:
             optimizer = LocalStepOptimizer(optimizer)
         return optimizer
 
+    def _after_offload_step(self) -> None:
+        """A run held to a host budget by the memory plan gives the heap's free pages back
+        after each step: a step's freed temporaries otherwise stay resident in the fragmented
+        heap, step after step ([Note: the memory plan] in memory_plan.py)."""
+        if self.memory_plan is not None:
+            trim_heap()
+
     def _release_params(self, params: list[torch.Tensor]) -> None:
         for store in self.param_stores:
             store.release(params)
@@ -432,6 +440,7 @@ class ZeroEngine:
                 opt, self.config.offload_optimizer, rank=self.rank,
                 on_stepped=self._release_params if stores else None,
                 on_prefetch=self._prefetch_params if stores else None,
+                after_step=self._after_offload_step,
             )
             self.log_offload("offload_optimizer", f"{type(opt).__name__} state (stepped on the host)", wrapped.swap_dir)
             return wrapped

@@ -56,6 +56,9 @@ from zeropp_strategy.engine.dtensor import local as _local
 
 aten = torch.ops.aten
 
+# Elements (padded) per chunk of ``dequantize_rows`` for rows ending in a partial block: the
+# transient buffer's size (64 MiB in fp32), not the tensor's.
+_ROW_CHUNK_ELEMS = 1 << 24
 
 
 def _row_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
@@ -89,25 +92,33 @@ def dequantize_rows(
     codes: torch.Tensor, scales: torch.Tensor, block_elems: int, dtype: torch.dtype, *, bits: int = 8,
     row_elems: int | None = None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Inverse of ``quantize_rows``: (R, C) in ``dtype`` (written into ``out`` if given).
-    ``row_elems`` is C; by default every code byte holds whole elements (C = columns of
-    ``codes`` at 8 bits, twice that at 4), so pass it for an odd C at 4 bits."""
+    """Inverse of ``quantize_rows``: (R, C) in ``dtype``, or written into ``out`` (in its own
+    dtype) and ``out`` returned. ``row_elems`` is C; by default every code byte holds whole
+    elements (C = columns of ``codes`` at 8 bits, twice that at 4), so pass it for an odd C at
+    4 bits. Rows of whole blocks are dequantized in one call straight into the result; rows
+    ending in a partial block go through a buffer of at most ``_ROW_CHUNK_ELEMS`` padded
+    elements at a time, so no transient copy of the whole tensor exists (a gathered int4
+    ``lm_head`` of 8B parameters is 2 GB in fp32)."""
     rows = codes.shape[0]
     cols = codes.shape[1] * 8 // bits if row_elems is None else row_elems
     nb = scales.shape[1]
+    dense = torch.empty(rows, cols, dtype=dtype, device=codes.device) if out is None else out.view(rows, cols)
+    padded_cols = nb * block_elems
     if rows == 0:
-        dense = torch.empty(0, cols, dtype=dtype, device=codes.device)
+        pass
+    elif padded_cols == cols and dense.is_contiguous():
+        kernels.dequantize(codes.reshape(-1), scales.reshape(-1), block_elems, rows * cols, bits, out=dense.view(-1))
     else:
-        # Pad each row's bytes to whole blocks; what the padding decodes to is cut off below.
-        full = nb * block_elems * bits // 8
-        padded = codes if codes.shape[1] == full else nn.functional.pad(codes, (0, full - codes.shape[1]))
-        dense = kernels.dequantize(padded.reshape(-1), scales.reshape(-1), block_elems, rows * nb * block_elems,
-                                   bits, dtype)
-        dense = dense.view(rows, nb * block_elems)[:, :cols]
-    if out is None:
-        return dense.contiguous()
-    out.view(rows, cols).copy_(dense)
-    return out
+        full = padded_cols * bits // 8  # each row's bytes padded to whole blocks; what the padding decodes to is cut
+        step = max(1, _ROW_CHUNK_ELEMS // padded_cols)
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            part = codes[r0:r1]
+            part = part if part.shape[1] == full else nn.functional.pad(part, (0, full - part.shape[1]))
+            values = kernels.dequantize(part.reshape(-1), scales[r0:r1].reshape(-1), block_elems,
+                                        (r1 - r0) * padded_cols, bits, dense.dtype)
+            dense[r0:r1].copy_(values.view(r1 - r0, padded_cols)[:, :cols])
+    return dense if out is None else out
 
 
 class QuantizedWeight(torch.Tensor):

@@ -25,6 +25,17 @@ enough) and the blocks are chosen, before any parameter is allocated:
 - the runtime itself (``RUNTIME_BYTES``: Python, torch, Lightning, the process group;
   measured at 540 MB of RSS after the imports on the reference machine, rounded up).
 
+The plan counts bytes in use. The C library's heap can hold more: glibc serves tensors
+below its mmap threshold (raised up to 32 MiB as large blocks are freed) from a heap that
+a step's temporaries fragment, so the pages a step frees stayed resident and the RSS grew
+step after step while the bytes in use did not (measured with glibc's ``mallinfo2``
+beside the RSS: docs/pretrained.md, the Llama-3-8B section). A run this plan holds to a
+budget therefore gives the heap's free pages back after each optimizer step
+(``primitives.trim_heap``, called by ``ZeroEngine._after_offload_step``); what remains is
+the heap's slack within one step, which the plan does not price. It does price, on a CPU
+device, the gathered codes of the largest int8/int4 frozen group, read while its weights
+are dequantized from them.
+
 Activations depend on the batch, which the strategy does not see when it shards the
 model, so they cannot be planned before the start. The plan logs the headroom the
 budget leaves for them, and on a CPU device (where activations are host memory; on an
@@ -206,7 +217,8 @@ def _elems(params: Iterable[nn.Parameter]) -> int:
 def _stored_bytes(root: nn.Module, config: ZeroConfig, world: int, esize: int) -> Callable[[nn.Parameter], int]:
     """Bytes of a parameter's shard on this rank: ``esize`` per element, or for a frozen
     weight that ``quantize_frozen_weights`` stores as int8/int4 (engine/frozen.py's
-    candidates), its codes and fp32 block scales."""
+    candidates), its codes and fp32 block scales. ``stored.quantized`` holds the ids of
+    the latter."""
     from zeropp_strategy.engine.frozen import code_bytes_per_row, frozen_int8_candidates
 
     quantized: set[int] = set()
@@ -222,6 +234,7 @@ def _stored_bytes(root: nn.Module, config: ZeroConfig, world: int, esize: int) -
         scales = math.ceil(cols / config.weight_quant_block_elems)
         return rows * (code_bytes_per_row(cols, config.frozen_weight_bits) + 4 * scales)
 
+    stored.quantized = quantized  # type: ignore[attr-defined]
     return stored
 
 
@@ -257,6 +270,9 @@ def plan_memory(root: nn.Module, blocks: list[nn.Module], config: ZeroConfig, *,
     block_full = max((_elems(ps) for ps in block_params), default=0)
     block_shard = max((sum(stored(p) for p in ps) for ps in block_params), default=0)
     root_full = _elems(root_params)
+    # a group's gathered codes (every rank's shards) live until its weights are dequantized
+    groups = [*block_params, *(list(leaf.parameters()) for leaf in leaves), root_params]
+    codes_full = n * max(sum(stored(p) for p in ps if id(p) in stored.quantized) for ps in groups)
     # gradients exist for trainable parameters only (LoRA on a frozen base: the adapters)
     block_trainable = max((_elems(p for p in ps if p.requires_grad) for ps in block_params), default=0)
     root_trainable = _elems(p for p in root_params if p.requires_grad)
@@ -305,6 +321,8 @@ def plan_memory(root: nn.Module, blocks: list[nn.Module], config: ZeroConfig, *,
                     f"the root group + its largest frozen leaf + {in_flight - 1} blocks")
             host.append((f"gathered parameters: {what}",
                          (root_full + max(in_flight * block_full, with_leaf)) * gather_bytes))
+            if codes_full:  # read by the dequantize that writes the gathered weights
+                host.append(("gathered int8/int4 codes of the group being dequantized", codes_full))
             host.append(("unsharded gradients in backward: the root group + 2 blocks",
                          (root_trainable + 2 * block_trainable) * (esize + gather_bytes)))
         return host, disk

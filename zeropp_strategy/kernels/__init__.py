@@ -17,9 +17,10 @@ Every function here picks its back end per call, from its first tensor argument:
 - the torch reference (reference.py) otherwise: CPU tensors, or CUDA without triton.
 ``dequantize_gathered`` is the exception for int8: torch on every device (no Triton kernel;
 a few elementwise ops, each over all rows at once); its int4 path copies every row's codes
-and scales side by side and makes one ``dequantize`` of them (dispatched as above), then
-copies the rows into ``out`` (a transient buffer of the gathered size). Either way it
-equals ``dequantize`` of each row on either back end.
+and scales side by side and makes one ``dequantize`` of them (dispatched as above) straight
+into ``out`` when a shard is whole blocks; a shard ending in a partial block needs a
+transient buffer of the gathered size, whose rows are then copied into ``out``. Either way
+it equals ``dequantize`` of each row on either back end.
 Both back ends produce the same bytes (codes, scales and dequantized values; checked by
 tests/test_kernels.py), so which one a rank used never changes what its peers receive.
 triton is imported on first Triton dispatch only, so this package imports without it.
@@ -46,6 +47,7 @@ from zeropp_strategy.kernels.checks import (
     check_chunks,
     check_gathered,
     check_input,
+    check_out,
     check_quant_args,
     check_quantized,
     normalize_order,
@@ -68,6 +70,7 @@ __all__ = [
     "check_chunks",
     "check_gathered",
     "check_input",
+    "check_out",
     "check_quant_args",
     "check_quantized",
     "code_dtype",
@@ -130,13 +133,20 @@ def dequantize(
     numel: int,
     bits: int = 8,
     dtype: torch.dtype = torch.float32,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Inverse of ``quantize``: a 1-D tensor of ``numel`` elements in ``dtype``."""
+    """Inverse of ``quantize``: a 1-D tensor of ``numel`` elements in ``dtype``; with ``out``
+    (a contiguous float tensor of ``numel`` elements on the codes' device) written there
+    instead, in ``out``'s dtype, and ``out`` returned: no buffer of the result's size besides it."""
     check_quant_args(block_elems, bits)
     check_quantized(codes, scales, block_elems, numel, bits)
+    if out is not None:
+        check_out(out, numel, codes.device)
+        out = out.view(-1)
     if kernel_backend(codes) == "triton":
-        return _triton().dequantize_triton(codes, scales, block_elems, numel, bits, dtype)
-    return dequantize_ref(codes, scales, block_elems, numel, bits, dtype)
+        return _triton().dequantize_triton(codes, scales, block_elems, numel, bits, dtype, out=out)
+    return dequantize_ref(codes, scales, block_elems, numel, bits, dtype, out=out)
 
 
 def dequantize_gathered(
@@ -163,6 +173,9 @@ def dequantize_gathered(
         scale_bytes = scale_bytes.clone()
     scales = scale_bytes.view(torch.float32)
     padded = padded_numel(numel, block_elems)
+    if padded == numel:  # whole blocks: the rows' values lie in out as dequantize writes them
+        dequantize(codes, scales, block_elems, world * numel, bits, out=out)
+        return
     values = dequantize(codes, scales, block_elems, world * padded, bits, dtype=out.dtype)
     out.view(world, numel).copy_(values.view(world, padded)[:, :numel])
 

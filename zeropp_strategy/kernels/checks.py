@@ -91,6 +91,16 @@ def check_quantized(
     return codes_per, scales_per
 
 
+def check_out(out: torch.Tensor, numel: int, device: torch.device) -> None:
+    """``out`` can take a dequantized tensor of ``numel`` elements on ``device`` in place."""
+    if not out.is_floating_point() or out.numel() != numel or not out.is_contiguous() or out.device != device:
+        raise ValueError(
+            f"out is {out.dtype}{tuple(out.shape)} on {out.device}{'' if out.is_contiguous() else ', not contiguous'}; "
+            f"it must be a contiguous float tensor of numel={numel} elements on {device}. "
+            "Fix: pass a buffer of the dequantized size on the codes' device, or no out."
+        )
+
+
 def check_gathered(gathered: torch.Tensor, code_bytes: int, numel: int, block_elems: int, out: torch.Tensor,
                    bits: int = 8) -> None:
     """``gathered`` holds one int8 (or int4) payload (codes, then fp32 scales as bytes) per row

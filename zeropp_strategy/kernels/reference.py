@@ -221,11 +221,14 @@ def _dequantize_into(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tenso
 
 
 def dequantize_ref(
-    codes: torch.Tensor, scales: torch.Tensor, block_elems: int, numel: int, bits: int = 8, dtype: torch.dtype = torch.float32
+    codes: torch.Tensor, scales: torch.Tensor, block_elems: int, numel: int, bits: int = 8,
+    dtype: torch.dtype = torch.float32, *, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Inverse of ``quantize_ref``: a 1-D tensor of ``numel`` elements in ``dtype``
-    (each value rounded once, from the fp32 product code * scale)."""
-    out = torch.empty(numel, dtype=dtype, device=codes.device)
+    (each value rounded once, from the fp32 product code * scale), or written into ``out``
+    (1-D, ``numel`` elements, its own float dtype) in chunks of the scratch's size."""
+    if out is None:
+        out = torch.empty(numel, dtype=dtype, device=codes.device)
     sc = _scratch(num_blocks(numel, block_elems), block_elems, bits, codes.device)
     _dequantize_into(codes.reshape(-1), scales.reshape(-1), out, block_elems, bits, sc)
     return out

@@ -50,7 +50,14 @@ import torch
 import triton
 import triton.language as tl
 
-from zeropp_strategy.kernels.checks import check_chunks, check_input, check_quant_args, check_quantized, normalize_order
+from zeropp_strategy.kernels.checks import (
+    check_chunks,
+    check_input,
+    check_out,
+    check_quant_args,
+    check_quantized,
+    normalize_order,
+)
 from zeropp_strategy.kernels.reference import QMAX, code_dtype, num_blocks, padded_numel
 
 # Elements a program handles per pass: 4096 (16 KiB of fp32 input), the size the Triton
@@ -265,11 +272,17 @@ def dequantize_triton(
     numel: int,
     bits: int = 8,
     dtype: torch.dtype = torch.float32,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Same contract as ``dequantize_ref``: a 1-D tensor of ``numel`` elements in ``dtype``."""
+    """Same contract as ``dequantize_ref``: a 1-D tensor of ``numel`` elements in ``dtype``,
+    or written into ``out`` (contiguous, ``numel`` elements, its own float dtype)."""
     check_quant_args(block_elems, bits)
     check_quantized(codes, scales, block_elems, numel, bits, sources=1)
-    out = torch.empty(numel, dtype=dtype, device=codes.device)
+    if out is None:
+        out = torch.empty(numel, dtype=dtype, device=codes.device)
+    else:
+        check_out(out, numel, codes.device)
     total = num_blocks(numel, block_elems)
     if total == 0:
         return out

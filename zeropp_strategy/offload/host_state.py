@@ -102,26 +102,6 @@ def _build(cls: type[Optimizer], groups: list[dict[str, Any]], defaults: Mapping
 
 
 
-def _trim_heap() -> None:
-    """Give freed heap pages back to the OS (glibc): the first NVMe step creates each batch's
-    state in fresh tensors that are freed at once, and without a trim the fragmented heap
-    keeps about one state tensor per batch resident (measured: +24 MiB for 48 MiB of state)."""
-    global _LIBC
-    if _LIBC is None:
-        try:
-            import ctypes
-
-            _LIBC = ctypes.CDLL("libc.so.6")
-            _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
-        except (OSError, AttributeError):
-            _LIBC = False
-    if _LIBC:
-        _LIBC.malloc_trim(0)
-
-
-_LIBC: Any = None
-
-
 def _release(streams: dict[torch.dtype, _Stream], pool: ThreadPoolExecutor | None, swap_dir: SwapDir | None) -> None:
     for stream in streams.values():
         stream._maps = {}

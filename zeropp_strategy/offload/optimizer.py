@@ -89,6 +89,8 @@ class OffloadOptimizer(NvmeStream, WrappingOptimizer):
             parameter offload drops their pages then, see ``offload.params``).
         on_prefetch: called with the parameters of a batch before it steps, as early as
             its state read starts (NVMe parameter offload starts reading them then).
+        after_step: called at the end of each completed ``step`` (the engine trims the
+            host heap there when a memory plan holds the run to a budget).
     """
 
     def __init__(
@@ -102,6 +104,7 @@ class OffloadOptimizer(NvmeStream, WrappingOptimizer):
         direct_io: bool = True,
         on_stepped: Callable[[list[Tensor]], None] | None = None,
         on_prefetch: Callable[[list[Tensor]], None] | None = None,
+        after_step: Callable[[], None] | None = None,
     ) -> None:
         # No Optimizer.__init__: param_groups are the user's (see the property below).
         if config.device not in ("cpu", "nvme"):
@@ -117,6 +120,7 @@ class OffloadOptimizer(NvmeStream, WrappingOptimizer):
         self.config = config
         self._on_stepped = on_stepped
         self._on_prefetch = on_prefetch
+        self._after_step = after_step
         self.nvme = config.device == "nvme"
         self._pin = bool(config.pin_memory and torch.cuda.is_available())
         defaults = dict(optimizer.defaults)
@@ -235,6 +239,8 @@ class OffloadOptimizer(NvmeStream, WrappingOptimizer):
                 g["params"] = hosts
         # The user's optimizer never steps itself; tell its LR schedulers that a step happened.
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
+        if self._after_step is not None:
+            self._after_step()
         return loss
 
     def _bind(self, pieces: list[_Piece], values: Tensor | None = None, grads: Tensor | None = None) -> list[_Piece]:
