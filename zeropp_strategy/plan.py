@@ -180,7 +180,12 @@ class Plan:
     ``weight_block_elems`` / ``gradient_block_elems`` / ``quantize_min_elems`` /
     ``error_beta`` / ``error_reset_steps``: the collectives' parameters, as configured;
     ``overlap_param_gather``: stage 1's
-    post-step gather finishes during the next forward; ``notes``: one line per fallback, saying why.
+    post-step gather finishes during the next forward; ``notes``: one line per fallback, saying why;
+    ``wrap_modules`` / ``wrap_min_params`` / ``activation_checkpointing``: how the model is
+    cut into groups and whether they recompute; ``reduce_bucket_bytes`` /
+    ``allgather_bucket_bytes``: stage 1's buckets; ``offload_param_settings`` /
+    ``offload_optimizer_settings``: the offload blocks as configured (device, NVMe path,
+    pinning, staging buffers; ``offload_param`` / ``offload_optimizer`` are their devices).
     """
 
     stage: int
@@ -208,6 +213,13 @@ class Plan:
     quantize_min_elems: int = 4096  # smaller tensors take the plain collectives
     error_beta: float = 0.8  # error feedback's moving average, when error_feedback
     error_reset_steps: int = 1024  # ... and its reset period (0: never)
+    wrap_modules: tuple[str, ...] = ()
+    wrap_min_params: int = 1_000_000
+    activation_checkpointing: bool = False
+    reduce_bucket_bytes: int = 25 * 2**20
+    allgather_bucket_bytes: int = 50 * 2**20
+    offload_param_settings: OffloadConfig = field(default_factory=OffloadConfig)
+    offload_optimizer_settings: OffloadConfig = field(default_factory=OffloadConfig)
 
     def describe(self) -> str:
         """One line for the log: the plan's decisions."""
@@ -359,13 +371,26 @@ def resolve(config: ZeroConfig, topology: Topology, *, gather_16bit_default: boo
         error_feedback=quantized_gradients and not one_node and config.gradient_error_feedback,  # one node: no cross hop
         frozen_weight_bits=config.frozen_weight_bits if config.quantize_frozen_weights and stage > 1 else 0,
         overlap_param_gather=stage == 1 and config.overlap_param_gather,
-        weight_bits=config.weight_quant_bits,
-        weight_block_elems=config.weight_quant_block_elems,
-        gradient_block_elems=config.gradient_quant_block_elems,
-        quantize_min_elems=config.quantize_min_elems,
-        error_beta=config.gradient_error_beta,
-        error_reset_steps=config.gradient_error_reset_steps,
+        wrap_modules=tuple(config.wrap_modules),
+        **{field_: getattr(config, name) for field_, name in _AS_CONFIGURED.items()},
     )
+
+
+# Plan fields taken from the config as they are: Plan field -> ZeroConfig field.
+_AS_CONFIGURED = {
+    "weight_bits": "weight_quant_bits",
+    "weight_block_elems": "weight_quant_block_elems",
+    "gradient_block_elems": "gradient_quant_block_elems",
+    "quantize_min_elems": "quantize_min_elems",
+    "error_beta": "gradient_error_beta",
+    "error_reset_steps": "gradient_error_reset_steps",
+    "wrap_min_params": "wrap_min_params",
+    "activation_checkpointing": "activation_checkpointing",
+    "reduce_bucket_bytes": "reduce_bucket_bytes",
+    "allgather_bucket_bytes": "allgather_bucket_bytes",
+    "offload_param_settings": "offload_param",
+    "offload_optimizer_settings": "offload_optimizer",
+}
 
 
 # -- what a plan costs ([Note: the estimate] above) -------------------------------------------

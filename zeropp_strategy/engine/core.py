@@ -252,7 +252,7 @@ class ZeroEngine:
         ddp = DistributedDataParallel(
             module,
             device_ids=device_ids,
-            bucket_cap_mb=self.config.reduce_bucket_bytes / 2**20,
+            bucket_cap_mb=self.plan.reduce_bucket_bytes / 2**20,
             process_group=self.meshes.world.get_group(),
             gradient_as_bucket_view=True,
         )
@@ -272,7 +272,7 @@ class ZeroEngine:
         all_gather, reduce_scatter = self.comm_factories()
         blocks = shard_module(
             root,
-            self.config,
+            self.plan,
             mesh=self.meshes.world,
             ledger=self.ledger,
             mp_policy=self.precision.mp_policy(gather_16bit=self.plan.gather_16bit),
@@ -294,7 +294,8 @@ class ZeroEngine:
             grads_on_nvme = plan is None or plan.grads_on_nvme
             store = self.agree(
                 "mapping parameter shards to NVMe",
-                lambda: ParamStore(root, self.config.offload_param, rank=self.rank, grads_on_nvme=grads_on_nvme),
+                lambda: ParamStore(root, self.plan.offload_param_settings, rank=self.rank,
+                                   grads_on_nvme=grads_on_nvme),
             )
             self.agree("initializing parameter shards on NVMe",
                        lambda: materialize(root, torch.device("cpu"), store=store))
@@ -385,11 +386,11 @@ class ZeroEngine:
         materialize(module, self.device)
         module = self.precision.convert_module(module)
         module.to(self.device)
-        if checkpoint and self.config.activation_checkpointing:
+        if checkpoint and self.plan.activation_checkpointing:
             from zeropp_strategy.engine.wrap import apply_activation_checkpointing, select_blocks
 
             apply_activation_checkpointing(select_blocks(
-                module, wrap_modules=self.config.wrap_modules, wrap_min_params=self.config.wrap_min_params))
+                module, wrap_modules=self.plan.wrap_modules, wrap_min_params=self.plan.wrap_min_params))
         return module
 
     # -- optimizers ---------------------------------------------------------------------------
@@ -399,8 +400,8 @@ class ZeroEngine:
         stages 2/3, the step on local shards ([Note: the step on local shards]). Idempotent."""
         if self.stage == 1 and not isinstance(optimizer, ShardedOptimizer):
             optimizer = ShardedOptimizer(
-                optimizer, self.meshes.world, self.ledger, allgather_bucket_bytes=self.config.allgather_bucket_bytes,
-                nodes=self.nodes, overlap_param_gather=self.config.overlap_param_gather,
+                optimizer, self.meshes.world, self.ledger, allgather_bucket_bytes=self.plan.allgather_bucket_bytes,
+                nodes=self.nodes, overlap_param_gather=self.plan.overlap_param_gather,
             )
         release = self._release_params
         if self.plan.offload_optimizer != "none":
@@ -437,7 +438,7 @@ class ZeroEngine:
 
         def offload(opt: Optimizer) -> OffloadOptimizer:
             wrapped = OffloadOptimizer(
-                opt, self.config.offload_optimizer, rank=self.rank,
+                opt, self.plan.offload_optimizer_settings, rank=self.rank,
                 on_stepped=self._release_params if stores else None,
                 on_prefetch=self._prefetch_params if stores else None,
                 after_step=self._after_offload_step,

@@ -37,14 +37,14 @@ from zeropp_strategy.comm.collectives import LedgerAllGather, LedgerReduceScatte
 from zeropp_strategy.comm.comm_thread import BackwardDeferral
 from zeropp_strategy.comm.hierarchical import NodeGroups
 from zeropp_strategy.comm.ledger import CommLedger
-from zeropp_strategy.config import ZeroConfig
+from zeropp_strategy.config import OffloadConfig
 from zeropp_strategy.engine.frozen import int8_weights, quantize_frozen
 from zeropp_strategy.engine.meta_init import has_meta, replayed_rng
 from zeropp_strategy.engine.peft_init import lora_inits
 from zeropp_strategy.engine.pretrained import Loads
 from zeropp_strategy.engine.wrap import apply_activation_checkpointing, frozen_leaves, select_blocks
 from zeropp_strategy.fsdp_private import group_params, param_groups, reset_sharded_param, set_unshard_async
-from zeropp_strategy.plan import ModelShape, leaf_counts
+from zeropp_strategy.plan import ModelShape, Plan, leaf_counts
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +210,7 @@ def reshard_when_training_resumes(root: nn.Module) -> None:
 
 def shard_module(
     root: nn.Module,
-    config: ZeroConfig,
+    plan: Plan,
     *,
     mesh: DeviceMesh,
     ledger: CommLedger,
@@ -223,13 +223,14 @@ def shard_module(
     wire_dtype: torch.dtype | None = None,
     deferral: BackwardDeferral | None = None,
 ) -> list[nn.Module]:
-    """Shard ``root`` in place for stage 2/3; returns the blocks that became groups."""
-    if config.stage not in (2, 3):
-        raise ValueError(f"shard_module is for stages 2/3, got ZeroConfig.stage={config.stage}")
+    """Shard ``root`` in place for stage 2/3, as ``plan`` decided; returns the blocks that
+    became groups."""
+    if plan.stage not in (2, 3):
+        raise ValueError(f"shard_module is for stages 2/3, got ZeroConfig.stage={plan.stage}")
     if reshard_after_forward is None:
-        reshard_after_forward = config.stage == 3
-    blocks = select_blocks(root, wrap_modules=config.wrap_modules, wrap_min_params=config.wrap_min_params)
-    if config.activation_checkpointing:
+        reshard_after_forward = plan.stage == 3
+    blocks = select_blocks(root, wrap_modules=plan.wrap_modules, wrap_min_params=plan.wrap_min_params)
+    if plan.activation_checkpointing:
         if not blocks:
             raise ValueError(
                 "ZeroConfig.activation_checkpointing=True but no block was found to checkpoint. "
@@ -239,19 +240,19 @@ def shard_module(
     # FSDP2 cannot shard 0-dim parameters; they stay replicated and the strategy
     # all-reduces their gradients (see replicated_params).
     ignored = set(replicated_params(root))
-    if config.quantize_frozen_weights:
-        bits = config.frozen_weight_bits
+    if plan.frozen_weight_bits:
+        bits = plan.frozen_weight_bits
         quantized, dense = quantize_frozen(
-            root, shard_world_size=mesh.size(), block_elems=config.weight_quant_block_elems,
-            min_elems=config.quantize_min_elems, bits=bits,
+            root, shard_world_size=mesh.size(), block_elems=plan.weight_block_elems,
+            min_elems=plan.quantize_min_elems, bits=bits,
         )
         log.info("zeropp: %d frozen weights stored as int%d shards", len(quantized), bits)
         if dense:
             log.info("zeropp: frozen weights kept dense (FSDP2 cannot pad int%d shards): %s", bits, "; ".join(dense))
-    offload = offload_policy(config)
+    offload = offload_policy(plan.offload_param_settings)
     # Stage 3 only: stage 2 keeps every group gathered until its backward, where a group of
     # its own would save nothing ([Note: frozen leaves] in wrap.py).
-    leaves = frozen_leaves(root, blocks, min_params=config.wrap_min_params) if reshard_after_forward else []
+    leaves = frozen_leaves(root, blocks, min_params=plan.wrap_min_params) if reshard_after_forward else []
     for leaf in leaves:
         leaf.zeropp_frozen_leaf = True  # for model_shape and error_feedbacks: not a block
     hpz_off: list[str] = []
@@ -285,9 +286,9 @@ def shard_module(
     # Offloaded shards are initialized where they rest; buffers go to the device later. On
     # NVMe the engine does it group by group once the swap files exist ([Note: streaming
     # initialization]).
-    if config.offload_param.device != "nvme":
+    if plan.offload_param != "nvme":
         materialize(root, torch.device("cpu") if isinstance(offload, CPUOffloadPolicy) else device)
-    log.info("zeropp: stage %d sharded %d blocks%s + root over %d ranks", config.stage, len(blocks),
+    log.info("zeropp: stage %d sharded %d blocks%s + root over %d ranks", plan.stage, len(blocks),
              f" + {len(leaves)} frozen leaves" if leaves else "", mesh.size())
     return blocks
 
@@ -346,14 +347,14 @@ def sibling_blocks(root: nn.Module, blocks: list[nn.Module]) -> list[list[FSDPMo
     return [chain for chain in chains.values() if len(chain) > 1]
 
 
-def offload_policy(config: ZeroConfig) -> OffloadPolicy:
+def offload_policy(settings: OffloadConfig) -> OffloadPolicy:
     """``offload_param="cpu"`` (and ``"nvme"``, see [Note: parameters on NVMe]): FSDP2 keeps sharded parameters (and their grads) in host
     memory and copies each group to the device ahead of its all-gather (FSDP2 issues the
     next group's copy-in and gather while the current group computes). Pinned only when
     CUDA exists: pinning needs a CUDA context."""
-    if config.offload_param.device == "cpu":
-        return CPUOffloadPolicy(pin_memory=config.offload_param.pin_memory and torch.cuda.is_available())
-    if config.offload_param.device == "nvme":  # host shards first; offload.params maps them to NVMe
+    if settings.device == "cpu":
+        return CPUOffloadPolicy(pin_memory=settings.pin_memory and torch.cuda.is_available())
+    if settings.device == "nvme":  # host shards first; offload.params maps them to NVMe
         return CPUOffloadPolicy(pin_memory=False)  # pinning would copy them out of the mapping
     return OffloadPolicy()
 
