@@ -83,6 +83,9 @@ def test_dequantize_rows_into_out_holds_no_copy_of_the_whole(monkeypatch, bits, 
         assert dequantize_rows(codes, scales, B, dtype, bits=bits, row_elems=cols, out=out) is out
         assert torch.equal(out, want.to(dtype)), dtype
         assert made == ([] if cols == 2 * B else [8 * 2 * B] * 5), made
+    with pytest.raises(ValueError, match="out is torch.float16.*Fix:"):  # another dtype than asked: refused
+        dequantize_rows(codes, scales, B, torch.float32, bits=bits, row_elems=cols,
+                        out=torch.empty(40, cols, dtype=torch.float16))
     made.clear()  # and without out: the result is the one buffer
     assert torch.equal(dequantize_rows(codes, scales, B, torch.float32, bits=bits, row_elems=cols), want)
     assert made == ([] if cols == 2 * B else [8 * 2 * B] * 5), made

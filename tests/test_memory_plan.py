@@ -62,9 +62,13 @@ def test_frozen_int4_weights_are_planned_at_their_stored_size_and_get_no_gradien
     dense = [p for p in params if all(p is not q for q in quantized)]
     trainable = [p for p in params if p.requires_grad]
     assert host["parameter shards (in memory)"] == codes + _shard_bytes(dense, 2)
-    # a group's gathered codes (both ranks' shards) beside the weights dequantized from them
-    assert host["gathered int8/int4 codes of the group being dequantized"] == 2 * max(
-        math.ceil(p.shape[0] / 2) * (math.ceil(p[0].numel() / 2) + 4 * math.ceil(p[0].numel() / 32)) for p in quantized)
+    # the gathered groups' codes (both ranks' shards) beside their dequantized weights: the
+    # root group (no quantized weight) and 3 blocks in flight, plus one block's in the
+    # all-gather buffer
+    block_codes = max(math.ceil(p.shape[0] / 2) * (math.ceil(p[0].numel() / 2) + 4 * math.ceil(p[0].numel() / 32))
+                      for p in quantized)
+    assert host["gathered int8/int4 codes of those groups, and one group's in the all-gather buffer"] == (
+        2 * (3 * block_codes + block_codes))
     assert host["gradient shards (in memory)"] == _shard_bytes(trainable, 2)
     block_trainable = sum(p.numel() for p in blocks[0].parameters() if p.requires_grad)
     root_trainable = sum(p.numel() for p in trainable) - 3 * block_trainable
@@ -312,7 +316,8 @@ def _worker(rank: int, world: int, tmp: str) -> dict:
     # plan) they go to NVMe as well ([Note: gradients on NVMe]).
     runs = {}
     both = {"offload_param": nvme, "offload_optimizer": nvme}
-    for name, fields in (("stage3", {}), ("nvme", both), ("nvme_grads", {**both, "host_memory_budget_bytes": None})):
+    for name, fields in (("stage3", {}), ("nvme", both), ("nvme_grads", {**both, "host_memory_budget_bytes": None}),
+                         ("nvme_params", {"offload_param": nvme})):
         seed_everything(0)
         watch = Watch()
         module = MetaInitModule()
@@ -334,7 +339,7 @@ def _worker(rank: int, world: int, tmp: str) -> dict:
         if plan is not None:
             out["activations"] = dict(plan.host).get(memory_plan.ACTIVATIONS_ROW)
     ref, ref_final = runs["stage3"]
-    for name in ("nvme", "nvme_grads"):
+    for name in ("nvme", "nvme_grads", "nvme_params"):
         run, final = runs[name]
         out[name] = {"init_diff": max((ref.initial[k] - run.initial[k]).abs().max().item() for k in ref.initial),
                      "final_diff": max((ref_final[k] - final[k]).abs().max().item() for k in final),
@@ -350,8 +355,8 @@ def test_refused_on_every_rank_and_streamed_init_equals_whole(tmp_path):
         assert "Fix:" in out["refused"] and "zeropp memory plan" in out["refused"], out["refused"]
         assert out["swap_after_refusal"] == [], out  # refused before the swap files
         # a run the plan holds to a budget gives the heap back after each of its 4 steps
-        assert out["trims"] == {"stage3": 0, "nvme": 4, "nvme_grads": 0}, out["trims"]
-        for name in ("nvme", "nvme_grads"):
+        assert out["trims"] == {"stage3": 0, "nvme": 4, "nvme_grads": 0, "nvme_params": 4}, out["trims"]
+        for name in ("nvme", "nvme_grads", "nvme_params"):
             assert out[name]["init_diff"] == 0.0, (name, out)
             assert out[name]["final_diff"] <= TOL, (name, out)
             assert all(math.isfinite(x) for x in out[name]["losses"]), (name, out)

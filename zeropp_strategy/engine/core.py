@@ -320,7 +320,7 @@ class ZeroEngine:
         optimizer: ``what`` is offloaded and where; for NVMe, the swap directory (this
         rank's own subdirectory of ``nvme_path``, removed at the end of the run) and the
         free space on its drive."""
-        offload = getattr(self.config, field)
+        offload = getattr(self.plan, f"{field}_settings")
         if offload.device == "nvme" and swap_dir is not None:
             free = shutil.disk_usage(swap_dir).free
             where = (f"NVMe swap files in {swap_dir} (one such subdirectory of nvme_path={offload.nvme_path!r} per "
@@ -412,6 +412,8 @@ class ZeroEngine:
             # The user's optimizer steps the mapped shards in place; drop their pages after.
             params = [p for g in optimizer.param_groups for p in g["params"]]
             optimizer.register_step_post_hook(lambda *_, params=params: release(params))
+        if self.plan.offload_param != "none":  # a memory plan can hold this run to a budget too
+            optimizer.register_step_post_hook(lambda *_: self._after_offload_step())
         if self.stage >= 2 and steps_locally(optimizer):
             optimizer = LocalStepOptimizer(optimizer)
         return optimizer

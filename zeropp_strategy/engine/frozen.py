@@ -57,7 +57,7 @@ from zeropp_strategy.engine.dtensor import local as _local
 aten = torch.ops.aten
 
 # Elements (padded) per chunk of ``dequantize_rows`` for rows ending in a partial block: the
-# transient buffer's size (64 MiB in fp32), not the tensor's.
+# transient buffer's size (64 MiB in fp32, or one padded row where that is larger), not the tensor's.
 _ROW_CHUNK_ELEMS = 1 << 24
 
 
@@ -92,16 +92,21 @@ def dequantize_rows(
     codes: torch.Tensor, scales: torch.Tensor, block_elems: int, dtype: torch.dtype, *, bits: int = 8,
     row_elems: int | None = None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Inverse of ``quantize_rows``: (R, C) in ``dtype``, or written into ``out`` (in its own
-    dtype) and ``out`` returned. ``row_elems`` is C; by default every code byte holds whole
-    elements (C = columns of ``codes`` at 8 bits, twice that at 4), so pass it for an odd C at
-    4 bits. Rows of whole blocks are dequantized in one call straight into the result; rows
-    ending in a partial block go through a buffer of at most ``_ROW_CHUNK_ELEMS`` padded
-    elements at a time, so no transient copy of the whole tensor exists (a gathered int4
-    ``lm_head`` of 8B parameters is 2 GB in fp32)."""
+    """Inverse of ``quantize_rows``: (R, C) in ``dtype``, or written into ``out`` (of R x C
+    elements in ``dtype``, on the codes' device) and ``out`` returned. ``row_elems`` is C; by
+    default every code byte holds whole elements (C = columns of ``codes`` at 8 bits, twice
+    that at 4), so pass it for an odd C at 4 bits. Rows of whole blocks are dequantized in
+    one call straight into the result; rows ending in a partial block go through a buffer of
+    ``_ROW_CHUNK_ELEMS`` padded elements (or one padded row, when that is larger) at a time,
+    so no transient copy of the whole tensor exists (a gathered int4 ``lm_head`` of 8B
+    parameters is 2 GB in fp32)."""
     rows = codes.shape[0]
     cols = codes.shape[1] * 8 // bits if row_elems is None else row_elems
     nb = scales.shape[1]
+    if out is not None and (out.dtype != dtype or out.device != codes.device or out.numel() != rows * cols):
+        raise ValueError(f"out is {out.dtype}{tuple(out.shape)} on {out.device}; dequantize_rows writes {rows} x "
+                         f"{cols} elements of {dtype} on {codes.device}. Fix: pass an out of that size, dtype and "
+                         "device, or no out.")
     dense = torch.empty(rows, cols, dtype=dtype, device=codes.device) if out is None else out.view(rows, cols)
     padded_cols = nb * block_elems
     if rows == 0:

@@ -33,8 +33,9 @@ beside the RSS: docs/pretrained.md, the Llama-3-8B section). A run this plan hol
 budget therefore gives the heap's free pages back after each optimizer step
 (``primitives.trim_heap``, called by ``ZeroEngine._after_offload_step``); what remains is
 the heap's slack within one step, which the plan does not price. It does price, on a CPU
-device, the gathered codes of the largest int8/int4 frozen group, read while its weights
-are dequantized from them.
+device, the gathered codes of int8/int4 frozen weights: FSDP2 keeps a gathered group's
+codes beside the weights dequantized from them until the group is resharded, and its flat
+all-gather buffer holds one group's codes again until the next group's gather.
 
 Activations depend on the batch, which the strategy does not see when it shards the
 model, so they cannot be planned before the start. The plan logs the headroom the
@@ -270,9 +271,15 @@ def plan_memory(root: nn.Module, blocks: list[nn.Module], config: ZeroConfig, *,
     block_full = max((_elems(ps) for ps in block_params), default=0)
     block_shard = max((sum(stored(p) for p in ps) for ps in block_params), default=0)
     root_full = _elems(root_params)
-    # a group's gathered codes (every rank's shards) live until its weights are dequantized
-    groups = [*block_params, *(list(leaf.parameters()) for leaf in leaves), root_params]
-    codes_full = n * max(sum(stored(p) for p in ps if id(p) in stored.quantized) for ps in groups)
+    # int8/int4 frozen weights: each gathered group keeps every rank's codes beside the weights
+    # dequantized from them until it is resharded, and FSDP2's flat all-gather buffer holds
+    # one group's codes again until the next group's gather
+    def codes(ps: Iterable[nn.Parameter]) -> int:
+        return sum(stored(p) for p in ps if id(p) in stored.quantized)
+
+    block_codes = max((codes(ps) for ps in block_params), default=0)
+    leaf_codes = max((codes(leaf.parameters()) for leaf in leaves), default=0)
+    root_codes = codes(root_params)
     # gradients exist for trainable parameters only (LoRA on a frozen base: the adapters)
     block_trainable = max((_elems(p for p in ps if p.requires_grad) for ps in block_params), default=0)
     root_trainable = _elems(p for p in root_params if p.requires_grad)
@@ -321,8 +328,10 @@ def plan_memory(root: nn.Module, blocks: list[nn.Module], config: ZeroConfig, *,
                     f"the root group + its largest frozen leaf + {in_flight - 1} blocks")
             host.append((f"gathered parameters: {what}",
                          (root_full + max(in_flight * block_full, with_leaf)) * gather_bytes))
-            if codes_full:  # read by the dequantize that writes the gathered weights
-                host.append(("gathered int8/int4 codes of the group being dequantized", codes_full))
+            held_codes = root_codes + max(in_flight * block_codes, leaf_codes + (in_flight - 1) * block_codes)
+            if held_codes:  # the same groups as the row above, as codes; plus the flat buffer's copy
+                host.append(("gathered int8/int4 codes of those groups, and one group's in the all-gather buffer",
+                             n * (held_codes + max(block_codes, leaf_codes, root_codes))))
             host.append(("unsharded gradients in backward: the root group + 2 blocks",
                          (root_trainable + 2 * block_trainable) * (esize + gather_bytes)))
         return host, disk

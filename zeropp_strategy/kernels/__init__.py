@@ -141,12 +141,15 @@ def dequantize(
     instead, in ``out``'s dtype, and ``out`` returned: no buffer of the result's size besides it."""
     check_quant_args(block_elems, bits)
     check_quantized(codes, scales, block_elems, numel, bits)
+    flat = None
     if out is not None:
         check_out(out, numel, codes.device)
-        out = out.view(-1)
+        flat = out.view(-1)
     if kernel_backend(codes) == "triton":
-        return _triton().dequantize_triton(codes, scales, block_elems, numel, bits, dtype, out=out)
-    return dequantize_ref(codes, scales, block_elems, numel, bits, dtype, out=out)
+        result = _triton().dequantize_triton(codes, scales, block_elems, numel, bits, dtype, out=flat)
+    else:
+        result = dequantize_ref(codes, scales, block_elems, numel, bits, dtype, out=flat)
+    return result if out is None else out
 
 
 def dequantize_gathered(

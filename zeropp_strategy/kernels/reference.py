@@ -229,6 +229,8 @@ def dequantize_ref(
     (1-D, ``numel`` elements, its own float dtype) in chunks of the scratch's size."""
     if out is None:
         out = torch.empty(numel, dtype=dtype, device=codes.device)
+    else:  # checked by kernels.dequantize, as the codes are (checks imports this module)
+        out = out.view(-1)
     sc = _scratch(num_blocks(numel, block_elems), block_elems, bits, codes.device)
     _dequantize_into(codes.reshape(-1), scales.reshape(-1), out, block_elems, bits, sc)
     return out
