@@ -21,7 +21,10 @@ from the Trainer's start to the first training batch (load and shard), peak RSS 
 and a 20 ms sampler, with its anonymous part: mapped file pages are page cache), against
 the shard plus the largest tensor. ``--dtype fp32`` (the default): ``bf16-mixed`` as users
 train, fp32 parameters converted from the bf16 files; ``--dtype bf16``: ``bf16-true``, the
-files' own dtype. Writes benchmarks/results/pretrained.json (one entry per folder and dtype).
+files' own dtype. With ``--digests`` (and ``plain`` among the modes), after the timing every
+rank of ``old``/``new`` hashes each parameter's local shard and ``plain`` hashes the rows
+FSDP2 gives each of 2 ranks; every pair must be equal, bit for bit, or the command fails.
+Writes benchmarks/results/pretrained.json (one entry per folder and dtype).
 
 ``--finetune FOLDER`` fine-tunes it the way docs/pretrained.md's Lightning section tells
 users: ``zeropp_strategy.from_pretrained(FOLDER, dtype=torch.float32)`` in
@@ -103,6 +106,23 @@ def write_folder(folder: Path, size: str) -> None:
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
 
 
+def _digest(t) -> str:  # noqa: ANN001 - a tensor
+    """The tensor's shape, dtype and bytes, hashed: equal digests mean bit-for-bit equal."""
+    import hashlib
+
+    import torch
+
+    data = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return f"{tuple(t.shape)}/{t.dtype}/{hashlib.blake2b(data, digest_size=16).hexdigest()}"
+
+
+def _shard_rows(shape, world: int, rank: int) -> tuple[int, int]:  # noqa: ANN001
+    """The rows FSDP2 gives ``rank`` of a tensor of ``shape`` sharded on dim 0 over ``world``."""
+    rows = shape[0] if len(shape) else 1
+    per = -(-rows // world)
+    return min(rows, rank * per), min(rows, (rank + 1) * per)
+
+
 def run_cell(args: argparse.Namespace) -> None:
     """One rank of ``old``/``new``/``stage1``/``stage1_rank0``, or the ``plain`` process."""
     import torch
@@ -116,8 +136,11 @@ def run_cell(args: argparse.Namespace) -> None:
     if args.mode == "plain":
         from transformers import AutoModelForCausalLM
 
-        AutoModelForCausalLM.from_pretrained(args.load, dtype=DTYPES[args.dtype])
+        model = AutoModelForCausalLM.from_pretrained(args.load, dtype=DTYPES[args.dtype])
         out["load_s"] = time.perf_counter() - t0
+        if args.digests:  # the rows each of 2 ranks should hold, for the bit-for-bit check
+            out["digests"] = {name: [_digest(p[slice(*_shard_rows(p.shape, 2, r))] if p.dim() else p)
+                                     for r in range(2)] for name, p in model.named_parameters()}
     else:
         import lightning.pytorch as L
 
@@ -140,6 +163,10 @@ def run_cell(args: argparse.Namespace) -> None:
 
             def on_train_batch_start(self, batch, batch_idx):
                 out["load_s"] = time.perf_counter() - t0
+                if args.digests and args.mode in ("old", "new"):  # this rank's shards, after the timing
+                    from zeropp_strategy.primitives import local
+
+                    out["digests"] = {name: _digest(local(p)) for name, p in self.model.named_parameters()}
                 return -1  # loaded and sharded: the measurement ends before the first batch's compute
 
             def training_step(self, batch, batch_idx):
@@ -330,7 +357,7 @@ def measure(args: argparse.Namespace) -> dict:
     for mode in args.modes.split(","):
         out = f"/tmp/zeropp-pretrained-{os.getpid()}"
         cmd = [sys.executable, __file__, "--cell", "--mode", mode, "--load", str(folder), "--out", out, "--dtype",
-               args.dtype]
+               args.dtype, *(["--digests"] if args.digests else [])]
         if mode != "plain":
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", __file__, *cmd[2:]]
         t0 = time.perf_counter()
@@ -338,8 +365,45 @@ def measure(args: argparse.Namespace) -> dict:
         ranks = [json.loads(Path(f"{out}.{mode}.{r}").read_text()) for r in range(1 if mode == "plain" else 2)
                  if Path(f"{out}.{mode}.{r}").exists()]
         res["cells"].append({"mode": mode, "returncode": rc, "wall_s": time.perf_counter() - t0, "ranks": ranks})
-        print(json.dumps(res["cells"][-1]), flush=True)
+        print(json.dumps({k: v for k, v in res["cells"][-1].items() if k != "ranks"}), flush=True)
+    if args.digests:
+        res["bit_for_bit"] = compare_digests(res["cells"])
+        print(json.dumps(res["bit_for_bit"]), flush=True)
+    for cell in res["cells"]:  # the verdict is kept, not the hashes
+        for r in cell["ranks"]:
+            r.pop("digests", None)
     return res
+
+
+def compare_digests(cells: list[dict]) -> dict:
+    """Every sharded cell's rank shards against the rows of one process's
+    ``transformers.from_pretrained``: equal bit for bit, tensor by tensor. A cell with a
+    rank or a tensor missing is not equal (nothing passes on a partial result)."""
+    by_mode = {c["mode"]: c["ranks"] for c in cells}
+    plain = (by_mode.get("plain") or [{}])[0].get("digests")
+    if not plain:
+        return {"error": "no digests from the plain process: run --modes with plain and --digests"}
+    verdict = {}
+    for mode in ("old", "new"):
+        ranks = by_mode.get(mode)
+        if ranks is None:
+            continue
+        got = {r.get("rank"): r.get("digests") or {} for r in ranks}
+        compared, differ, missing = 0, [], []
+        for name, want in plain.items():
+            for rank in range(2):
+                have = got.get(rank, {}).get(name)
+                if have is None:
+                    missing.append(f"rank {rank}: {name}")
+                elif have != want[rank]:
+                    differ.append(f"rank {rank}: {name}")
+                else:
+                    compared += 1
+        extra = sorted({n for d in got.values() for n in d} - set(plain))
+        verdict[mode] = {"tensors_equal": compared, "tensors_expected": 2 * len(plain), "differ": differ[:10],
+                         "missing": missing[:10], "unexpected": extra[:10],
+                         "equal_bit_for_bit": compared == 2 * len(plain) > 0 and not differ and not missing and not extra}
+    return verdict
 
 
 def table(res: dict) -> str:
@@ -361,6 +425,8 @@ def main() -> None:
     p.add_argument("--size", default="2.7B", choices=list(SIZES))
     p.add_argument("--load", help="the folder to load")
     p.add_argument("--modes", default="plain,old,new")
+    p.add_argument("--digests", action="store_true",
+                   help="--load: also check every rank's shards against plain's rows, bit for bit (hashes, after the timing)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
                    help="the parameters' dtype: fp32 (bf16-mixed, as users train: the bf16 files are converted) or bf16 "
                         "(bf16-true: the files' own)")
@@ -410,6 +476,9 @@ def main() -> None:
             res["cells"] = list(cells.values())
         runs[key] = res
         RESULTS.write_text(json.dumps(runs, indent=1) + "\n")
+        check = res.get("bit_for_bit")
+        if check is not None and ("error" in check or not all(v["equal_bit_for_bit"] for v in check.values())):
+            sys.exit(f"pretrained.py: the shards are not equal bit for bit to from_pretrained's rows: {check}")
 
 
 if __name__ == "__main__":

@@ -179,3 +179,39 @@ def test_bf16_matmul_stand_in_is_fp32_math_rounded_to_bf16():
     # d(sum)/dx = ones @ w^T, computed in fp32 from bf16-rounded w, rounded to bf16 on its way back
     expect = (torch.ones(64, 32) @ w.detach().bfloat16().float().t()).bfloat16().float()
     assert torch.equal(x.grad, expect)
+
+
+def test_pretrained_bit_check_passes_equal_shards_only():
+    """benchmarks/pretrained.py --digests: rank shards against one process's rows, bit for
+    bit; a flipped bit, a missing rank or no reference is not a pass."""
+    import torch
+
+    from benchmarks import pretrained as P
+
+    g = torch.Generator().manual_seed(0)
+    full = {"w": torch.randn(5, 3, generator=g), "b": torch.randn(7, generator=g), "s": torch.tensor(1.5)}
+    plain = {"mode": "plain", "ranks": [{"digests": {
+        k: [P._digest(t[slice(*P._shard_rows(t.shape, 2, r))] if t.dim() else t) for r in range(2)]
+        for k, t in full.items()}}]}
+
+    def ranks(flip: bool = False, drop: int | None = None) -> dict:
+        out = []
+        for r in range(2):
+            if r == drop:
+                continue
+            d = {}
+            for k, t in full.items():
+                part = (t[slice(*P._shard_rows(t.shape, 2, r))] if t.dim() else t).clone()
+                if flip and r == 1 and k == "w":
+                    part.view(torch.int32)[0, 0] ^= 1  # one bit of one element
+                d[k] = P._digest(part)
+            out.append({"rank": r, "digests": d})
+        return {"mode": "new", "ranks": out}
+
+    ok = P.compare_digests([plain, ranks()])["new"]
+    assert ok["equal_bit_for_bit"] and ok["tensors_equal"] == 6 == ok["tensors_expected"], ok
+    bad = P.compare_digests([plain, ranks(flip=True)])["new"]
+    assert not bad["equal_bit_for_bit"] and bad["differ"] == ["rank 1: w"], bad
+    gap = P.compare_digests([plain, ranks(drop=1)])["new"]
+    assert not gap["equal_bit_for_bit"] and len(gap["missing"]) == 3, gap
+    assert "error" in P.compare_digests([ranks()])
