@@ -118,8 +118,9 @@ class PretrainedFolder:
         for the whole run (7.7 GiB per rank for an 8B model, docs/pretrained.md)."""
         self._handles.clear()
 
-    def read(self, key: str, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
-        """Rows ``start:stop`` of tensor ``key`` (a 0-dim tensor whole), as ``dtype``."""
+    def read(self, key: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` of tensor ``key`` (a 0-dim tensor whole), in the file's dtype:
+        the caller's ``copy_`` converts while it copies (one pass, no converted temporary)."""
         name = self.file_of[key]
         piece = self._open(name).get_slice(key)
         try:
@@ -127,7 +128,7 @@ class PretrainedFolder:
         except Exception as e:  # a file shorter than its header says
             raise UsageError(f"from_pretrained({str(self.path)!r}): {name}: tensor {key!r} cannot be read ({e})",
                              "re-download or re-save the model: the file is truncated or damaged") from e
-        return rows.to(dtype)
+        return rows
 
     def check(self, model: nn.Module) -> str:
         """The folder's tensors against ``model`` (a skeleton): every persistent tensor the
@@ -368,6 +369,6 @@ def _fill(t: torch.Tensor, folder: PretrainedFolder, key: str) -> None:
         start = min(t.device_mesh.get_local_rank() * chunk, rows)
         stop = start + local.shape[0]
         if stop > start:
-            local.copy_(folder.read(key, start, stop, local.dtype))
+            local.copy_(folder.read(key, start, stop))
     else:
-        t.copy_(folder.read(key, 0, t.shape[0] if t.dim() else 0, t.dtype))
+        t.copy_(folder.read(key, 0, t.shape[0] if t.dim() else 0))
