@@ -22,7 +22,10 @@ import torch.utils.checkpoint
 from tests._dist import run_ranks
 from zeropp_strategy.config import ZeroConfig
 from zeropp_strategy.engine import memory_plan
-from zeropp_strategy.engine.memory_plan import RUNTIME_BYTES, plan_memory
+from zeropp_strategy.engine.memory_plan import RUNTIME_BYTES
+from zeropp_strategy.engine.memory_plan import plan_memory as _plan_memory
+from zeropp_strategy.plan import resolve
+from zeropp_strategy.topology import Topology
 
 pytestmark = pytest.mark.timeout(660)  # its longest run_ranks timeout + 60 s (pyproject's 300 s would cut it)
 
@@ -35,6 +38,11 @@ def _net():
 
     with torch.device("meta"):
         return Net(width=64, depth=3)
+
+
+def plan_memory(net, blocks, cfg: ZeroConfig, **kwargs):  # noqa: ANN001, ANN003, ANN201
+    """``memory_plan.plan_memory`` of ``cfg`` resolved for 2 ranks on one machine."""
+    return _plan_memory(net, blocks, resolve(cfg, Topology.detect(2, 0, ranks_per_node=2)), **kwargs)
 
 
 def _shard_bytes(params, world: int) -> int:
@@ -52,7 +60,7 @@ def test_frozen_int4_weights_are_planned_at_their_stored_size_and_get_no_gradien
         p.requires_grad_(p.dim() < 2)  # the weight matrices frozen, biases and norms train
     cfg = ZeroConfig(stage=3, offload_optimizer="cpu", host_memory_budget_bytes=2 * GiB, quantize_frozen_weights=True,
                      frozen_weight_bits=4, quantize_min_elems=0, weight_quant_block_elems=32)
-    plan = plan_memory(net, blocks, cfg, world_size=2, ranks_per_node=2, device=torch.device("cpu"), gather_bytes=4)
+    plan = plan_memory(net, blocks, cfg, ranks_per_node=2, device=torch.device("cpu"), gather_bytes=4)
     host = dict(plan.host)
     params = list(net.parameters())
     quantized = [p for p in params if p.dim() >= 2 and p.shape[0] % 2 == 0]  # FSDP2 cannot pad int4 shards
@@ -103,7 +111,7 @@ def test_frozen_leaves_are_gathered_one_at_a_time_not_with_the_root():
     leaves = frozen_leaves(net, blocks, min_params=1000)
     assert leaves == [embed]
     cfg = ZeroConfig(stage=3, offload_optimizer="cpu", host_memory_budget_bytes=2 * GiB)
-    plan = plan_memory(net, blocks, cfg, world_size=2, ranks_per_node=2, device=torch.device("cpu"), gather_bytes=4,
+    plan = plan_memory(net, blocks, cfg, ranks_per_node=2, device=torch.device("cpu"), gather_bytes=4,
                        leaves=leaves)
     block = sum(p.numel() for p in blocks[0].parameters())
     root = sum(p.numel() for p in net.parameters()) - 3 * block - embed.weight.numel()
@@ -126,7 +134,7 @@ def test_plan_rows_match_the_model(tmp_path):
     root_full = sum(p.numel() for p in params) - 3 * block_full
     nvme = {"device": "nvme", "nvme_path": str(tmp_path)}
     cfg = ZeroConfig(stage=3, offload_param=nvme, offload_optimizer=nvme, host_memory_budget_bytes=2 * GiB)
-    plan = plan_memory(net, blocks, cfg, world_size=2, ranks_per_node=2, device=torch.device("cpu"), gather_bytes=4)
+    plan = plan_memory(net, blocks, cfg, ranks_per_node=2, device=torch.device("cpu"), gather_bytes=4)
     host = dict(plan.host)
     assert host["runtime (Python, torch, the process group)"] == RUNTIME_BYTES
     assert host["gathered parameters: the root group + 3 blocks"] == (root_full + 3 * block_full) * 4
@@ -145,7 +153,7 @@ def test_plan_rows_match_the_model(tmp_path):
     # All in host memory: the shards, their gradients and AdamW's state grow with the model.
     cpu = plan_memory(net, blocks, ZeroConfig(stage=3, offload_param="cpu", offload_optimizer="cpu",
                                               host_memory_budget_bytes=GiB),
-                      world_size=2, ranks_per_node=2, device=torch.device("cpu"), gather_bytes=4)
+                      ranks_per_node=2, device=torch.device("cpu"), gather_bytes=4)
     rows = dict(cpu.host)
     assert rows["parameter shards (in memory)"] == shard and rows["gradient shards (in memory)"] == shard
     assert rows["optimizer state, AdamW (in memory)"] == 2 * shard and cpu.disk == ()
@@ -165,7 +173,7 @@ def test_gradients_go_to_nvme_only_when_memory_is_short(tmp_path):
 
     def plan(budget: int):
         cfg = ZeroConfig(stage=3, offload_param=nvme, offload_optimizer=nvme, host_memory_budget_bytes=budget)
-        return plan_memory(net, blocks, cfg, world_size=2, ranks_per_node=2, device=torch.device("cpu"),
+        return plan_memory(net, blocks, cfg, ranks_per_node=2, device=torch.device("cpu"),
                            gather_bytes=4)
 
     roomy = plan(64 * GiB)
@@ -187,7 +195,7 @@ def test_plan_refuses_with_numbers_and_fix(tmp_path, monkeypatch):
     net = _net()
     nvme = {"device": "nvme", "nvme_path": str(tmp_path)}
     tight = ZeroConfig(stage=3, offload_param="cpu", offload_optimizer=nvme, host_memory_budget_bytes=2**20)
-    plan = plan_memory(net, list(net.blocks), tight, world_size=2, ranks_per_node=2, device=torch.device("cpu"),
+    plan = plan_memory(net, list(net.blocks), tight, ranks_per_node=2, device=torch.device("cpu"),
                        gather_bytes=4)
     (problem,) = plan.problems()
     assert "host memory" in problem and "over its budget of 0.00 GiB" in problem and "Fix:" in problem
@@ -198,7 +206,7 @@ def test_plan_refuses_with_numbers_and_fix(tmp_path, monkeypatch):
 
     monkeypatch.setattr(memory_plan.shutil, "disk_usage", lambda path: Usage)
     roomy = ZeroConfig(stage=3, offload_param=nvme, offload_optimizer=nvme, host_memory_budget_bytes=8 * GiB)
-    plan = plan_memory(net, list(net.blocks), roomy, world_size=2, ranks_per_node=2, device=torch.device("cpu"),
+    plan = plan_memory(net, list(net.blocks), roomy, ranks_per_node=2, device=torch.device("cpu"),
                        gather_bytes=4)
     (problem,) = plan.problems()
     assert f"under {tmp_path}" in problem and "2 rank(s)" in problem and "0.00 GiB free" in problem, problem

@@ -185,7 +185,9 @@ class Plan:
     cut into groups and whether they recompute; ``reduce_bucket_bytes`` /
     ``allgather_bucket_bytes``: stage 1's buckets; ``offload_param_settings`` /
     ``offload_optimizer_settings``: the offload blocks as configured (device, NVMe path,
-    pinning, staging buffers; ``offload_param`` / ``offload_optimizer`` are their devices).
+    pinning, staging buffers; ``offload_param`` / ``offload_optimizer`` are their devices);
+    ``host_memory_budget_bytes``: the memory plan's budget per rank (``"auto"``, bytes, or
+    None for no plan).
     """
 
     stage: int
@@ -220,6 +222,7 @@ class Plan:
     allgather_bucket_bytes: int = 50 * 2**20
     offload_param_settings: OffloadConfig = field(default_factory=OffloadConfig)
     offload_optimizer_settings: OffloadConfig = field(default_factory=OffloadConfig)
+    host_memory_budget_bytes: int | str | None = "auto"
 
     def describe(self) -> str:
         """One line for the log: the plan's decisions."""
@@ -390,6 +393,7 @@ _AS_CONFIGURED = {
     "allgather_bucket_bytes": "allgather_bucket_bytes",
     "offload_param_settings": "offload_param",
     "offload_optimizer_settings": "offload_optimizer",
+    "host_memory_budget_bytes": "host_memory_budget_bytes",
 }
 
 

@@ -67,7 +67,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
-from zeropp_strategy.config import ZeroConfig
+from zeropp_strategy.plan import Plan
 
 __all__ = ["ACTIVATIONS_ROW", "ADAM_STATE_BYTES", "AUTO_FRACTION", "RUNTIME_BYTES", "ActivationMeter", "MemoryPlan",
            "auto_budget_bytes", "check_memory_plan", "plan_memory"]
@@ -215,25 +215,26 @@ def _elems(params: Iterable[nn.Parameter]) -> int:
     return sum(p.numel() for p in params)
 
 
-def _stored_bytes(root: nn.Module, config: ZeroConfig, world: int, esize: int) -> Callable[[nn.Parameter], int]:
+def _stored_bytes(root: nn.Module, plan: Plan, esize: int) -> Callable[[nn.Parameter], int]:
     """Bytes of a parameter's shard on this rank: ``esize`` per element, or for a frozen
-    weight that ``quantize_frozen_weights`` stores as int8/int4 (engine/frozen.py's
+    weight that the plan stores as int8/int4 (``plan.frozen_weight_bits``; engine/frozen.py's
     candidates), its codes and fp32 block scales. ``stored.quantized`` holds the ids of
     the latter."""
     from zeropp_strategy.engine.frozen import code_bytes_per_row, frozen_int8_candidates
 
+    world = plan.world_size
     quantized: set[int] = set()
-    if config.quantize_frozen_weights:
+    if plan.frozen_weight_bits:
         quantized = {id(p) for _, _, _, p in frozen_int8_candidates(root, shard_world_size=world,
-                                                                    min_elems=config.quantize_min_elems)[0]}
+                                                                    min_elems=plan.quantize_min_elems)[0]}
 
     def stored(p: nn.Parameter) -> int:
         if id(p) not in quantized:
             return _shard_elems([p], world) * esize
         rows = math.ceil(p.shape[0] / world)
         cols = p.numel() // max(1, p.shape[0])
-        scales = math.ceil(cols / config.weight_quant_block_elems)
-        return rows * (code_bytes_per_row(cols, config.frozen_weight_bits) + 4 * scales)
+        scales = math.ceil(cols / plan.weight_block_elems)
+        return rows * (code_bytes_per_row(cols, plan.frozen_weight_bits) + 4 * scales)
 
     stored.quantized = quantized  # type: ignore[attr-defined]
     return stored
@@ -250,22 +251,23 @@ def _shard_elems(params: Iterable[nn.Parameter], world: int) -> int:
     return total
 
 
-def plan_memory(root: nn.Module, blocks: list[nn.Module], config: ZeroConfig, *, world_size: int,
-                ranks_per_node: int, device: torch.device, gather_bytes: int,
-                leaves: Sequence[nn.Module] = ()) -> MemoryPlan:
-    """The plan of ``root`` sharded at stage 3 into ``blocks``, frozen ``leaves`` ([Note:
-    frozen leaves] in wrap.py) and the root group (see [Note: the memory plan]);
+def plan_memory(root: nn.Module, blocks: list[nn.Module], plan: Plan, *, ranks_per_node: int,
+                device: torch.device, gather_bytes: int, leaves: Sequence[nn.Module] = ()) -> MemoryPlan:
+    """The memory plan of ``root`` sharded at stage 3 over ``plan.world_size`` ranks into
+    ``blocks``, frozen ``leaves`` ([Note: frozen leaves] in wrap.py) and the root group (see
+    [Note: the memory plan]), as ``plan`` (``zeropp_strategy.plan.resolve``) decided its
+    offload, frozen weights and budget; ``ranks_per_node`` share this machine's memory;
     ``gather_bytes`` per element of a gathered parameter."""
     from zeropp_strategy.engine.fsdp import FORWARD_PREFETCH_BLOCKS
 
-    n = world_size
+    n = plan.world_size
     params = list(root.parameters())
     block_params = [list(b.parameters()) for b in blocks]
     leaf_full = max((_elems(leaf.parameters()) for leaf in leaves), default=0)
     in_blocks = {id(p) for ps in block_params for p in ps} | {id(p) for leaf in leaves for p in leaf.parameters()}
     root_params = [p for p in params if id(p) not in in_blocks]
     esize = max((p.element_size() for p in params), default=4)
-    stored = _stored_bytes(root, config, n, esize)
+    stored = _stored_bytes(root, plan, esize)
     shard = sum(stored(p) for p in params)
     trainable_shard = _shard_elems([p for p in params if p.requires_grad], n) * esize
     block_full = max((_elems(ps) for ps in block_params), default=0)
@@ -284,9 +286,9 @@ def plan_memory(root: nn.Module, blocks: list[nn.Module], config: ZeroConfig, *,
     block_trainable = max((_elems(p for p in ps if p.requires_grad) for ps in block_params), default=0)
     root_trainable = _elems(p for p in root_params if p.requires_grad)
     in_flight = 1 + FORWARD_PREFETCH_BLOCKS  # groups whose shard pages are mapped at once
-    pdev, odev = config.offload_param.device, config.offload_optimizer.device
+    pdev, odev = plan.offload_param, plan.offload_optimizer
 
-    budget = config.host_memory_budget_bytes
+    budget = plan.host_memory_budget_bytes
     if budget == "auto":
         budget_bytes, source = auto_budget_bytes(ranks_per_node)
     else:
@@ -298,7 +300,7 @@ def plan_memory(root: nn.Module, blocks: list[nn.Module], config: ZeroConfig, *,
         if pdev == "nvme":
             from zeropp_strategy.offload.params import WRITE_BEHIND_LIMIT_BYTES
 
-            path = config.offload_param.nvme_path
+            path = plan.offload_param_settings.nvme_path
             host.append(("parameter shards on NVMe: pages of the groups in flight", in_flight * block_shard))
             disk.append(("parameter shards", path, shard))
             if grads_on_nvme:
@@ -313,7 +315,7 @@ def plan_memory(root: nn.Module, blocks: list[nn.Module], config: ZeroConfig, *,
             host.append(("gradient shards (in memory)", trainable_shard))
         opt_state = trainable_shard // esize * ADAM_STATE_BYTES
         if odev == "nvme":
-            o = config.offload_optimizer
+            o = plan.offload_optimizer_settings
             host.append(("optimizer state on NVMe: staging buffers", o.buffer_count * o.buffer_bytes))
             disk.append(("optimizer state, AdamW", o.nvme_path, opt_state))
         elif odev == "cpu" or device.type == "cpu":
@@ -425,19 +427,18 @@ def check_memory_plan(engine: Any, root: nn.Module) -> MemoryPlan | None:
     the plan of what this rank's host memory and the swap drives must hold, logged once; a
     plan that does not fit is refused on every rank, through ``engine.agree``, before any
     shard is allocated ([Note: the memory plan])."""
-    cfg = engine.config
-    if cfg.host_memory_budget_bytes is None or engine.stage != 3 or (
-            cfg.offload_param.device == "none" and cfg.offload_optimizer.device == "none"):
+    decided = engine.plan
+    if decided.host_memory_budget_bytes is None or decided.stage != 3 or (
+            decided.offload_param == "none" and decided.offload_optimizer == "none"):
         return None
     from zeropp_strategy.engine.wrap import frozen_leaves, select_blocks
 
-    blocks = select_blocks(root, wrap_modules=cfg.wrap_modules, wrap_min_params=cfg.wrap_min_params)
-    leaves = frozen_leaves(root, blocks, min_params=cfg.wrap_min_params)
-    gather_dtype = engine.precision.mp_policy(gather_16bit=engine.plan.gather_16bit).param_dtype
-    local_ranks = engine.world_size if cfg.simulated_nodes else engine.topology.ranks_per_node  # on this machine
-    plan = plan_memory(root, blocks, cfg, world_size=engine.world_size, ranks_per_node=local_ranks,
-                       device=engine.device, gather_bytes=gather_dtype.itemsize if gather_dtype else 4,
-                       leaves=leaves)
+    blocks = select_blocks(root, wrap_modules=decided.wrap_modules, wrap_min_params=decided.wrap_min_params)
+    leaves = frozen_leaves(root, blocks, min_params=decided.wrap_min_params)
+    gather_dtype = engine.precision.mp_policy(gather_16bit=decided.gather_16bit).param_dtype
+    local_ranks = engine.world_size if engine.topology.simulated else engine.topology.ranks_per_node  # this machine
+    plan = plan_memory(root, blocks, decided, ranks_per_node=local_ranks, device=engine.device,
+                       gather_bytes=gather_dtype.itemsize if gather_dtype else 4, leaves=leaves)
     engine.info(plan.describe())
 
     def refuse() -> None:
