@@ -69,9 +69,8 @@ OURS = {
     "qwZ": {"stage": 3, "quantized_weights": True},
     "hpZ": {"stage": 3, "hpz_partition_size": 0},
     "qgZ": {"stage": 3, "quantized_gradients": True},
-    "zeropp": {"stage": 3, "quantized_weights": True, "hpz_partition_size": 0, "quantized_gradients": True},
-    "zeropp_4bit": {"stage": 3, "quantized_weights": True, "weight_quant_bits": 4, "weight_quant_block_elems": 64,
-                    "hpz_partition_size": 0, "quantized_gradients": True},  # PRESETS["zeropp_4bit"]
+    "zeropp": None,  # None: the registered preset of that name (ours_fields), what strategy="zeropp" gives
+    "zeropp_4bit": None,
 }
 DEEPSPEED = {
     "deepspeed_zero3": {},
@@ -81,6 +80,17 @@ DEEPSPEED = {
                          "zero_quantized_gradients": True},
 }
 SYSTEMS = [*OURS, "ddp", "fsdp2", *DEEPSPEED]
+
+
+def ours_fields(system: str) -> dict:
+    """The ZeroConfig fields of one of our systems: a registered preset's own, read at call
+    time from the package on the path (exit_check.py's ``--package-root`` puts another
+    checkout's there), or the table's."""
+    if OURS[system] is None:
+        from zeropp_strategy.presets import PRESETS
+
+        return dict(PRESETS[system])
+    return OURS[system]
 
 
 def corpus(seq: int, vocab: int) -> TensorDataset:
@@ -212,7 +222,7 @@ def run_lightning(args: argparse.Namespace, meter: Meter) -> None:
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if args.system in OURS:
         strategy = ZeroPPStrategy(wrap_modules=["GPT2Block"], simulated_nodes=args.simulated_nodes,
-                                  **OURS[args.system])
+                                  **ours_fields(args.system))
     elif args.system == "fsdp2":
         from lightning.pytorch.strategies import ModelParallelStrategy
 

@@ -44,7 +44,7 @@ def worker(system: str, out: Path, trace_step: int, steps: int, bf16_matmul: str
     from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
     from torch.distributed.fsdp import FSDPModule
 
-    from benchmarks.bench_train import OURS, gpt2, loader
+    from benchmarks.bench_train import gpt2, loader, ours_fields
     from zeropp_strategy import ZeroPPStrategy
     from zeropp_strategy.comm.collectives import AllGather, EmptyAlloc, ReduceScatter
 
@@ -156,7 +156,7 @@ def worker(system: str, out: Path, trace_step: int, steps: int, bf16_matmul: str
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     seed_everything(0)
     trainer = Trainer(accelerator="cpu", devices=per_node, num_nodes=nodes, max_steps=steps,
-                      strategy=ZeroPPStrategy(wrap_modules=["GPT2Block"], **OURS[system]), precision="bf16-mixed",
+                      strategy=ZeroPPStrategy(wrap_modules=["GPT2Block"], **ours_fields(system)), precision="bf16-mixed",
                       callbacks=[Instrument()], logger=False, enable_checkpointing=False, enable_progress_bar=False,
                       enable_model_summary=False, use_distributed_sampler=False)
     from benchmarks.bf16_matmul import matmul_mode
