@@ -23,7 +23,8 @@ the shard plus the largest tensor. ``--dtype fp32`` (the default): ``bf16-mixed`
 train, fp32 parameters converted from the bf16 files; ``--dtype bf16``: ``bf16-true``, the
 files' own dtype. With ``--digests`` (and ``plain`` among the modes), after the timing every
 rank of ``old``/``new`` hashes each parameter's local shard and ``plain`` hashes the rows
-FSDP2 gives each of 2 ranks; every pair must be equal, bit for bit, or the command fails.
+FSDP2 gives each of 2 ranks (outside the timed and sampled part); every pair must be equal,
+bit for bit, or the command fails, after saving the results with the verdict.
 Writes benchmarks/results/pretrained.json (one entry per folder and dtype).
 
 ``--finetune FOLDER`` fine-tunes it the way docs/pretrained.md's Lightning section tells
@@ -133,11 +134,21 @@ def run_cell(args: argparse.Namespace) -> None:
     peak.start()
     out: dict = {"mode": args.mode, "rss_before": status()["VmRSS"]}
     t0 = time.perf_counter()
+
+    def measured(loaded: bool = True) -> None:  # the load's time and peaks end here, before any hashing
+        if "peak_rss" in out:
+            return
+        if loaded:
+            out["load_s"] = time.perf_counter() - t0
+        peak.stop.set()
+        last = peak.sample()
+        out.update(peak_rss=peak.peak["VmRSS"], peak_anon=peak.peak["RssAnon"], VmHWM=last["VmHWM"])
+
     if args.mode == "plain":
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(args.load, dtype=DTYPES[args.dtype])
-        out["load_s"] = time.perf_counter() - t0
+        measured()
         if args.digests:  # the rows each of 2 ranks should hold, for the bit-for-bit check
             out["digests"] = {name: [_digest(p[slice(*_shard_rows(p.shape, 2, r))] if p.dim() else p)
                                      for r in range(2)] for name, p in model.named_parameters()}
@@ -162,7 +173,7 @@ def run_cell(args: argparse.Namespace) -> None:
                         self.model = zeropp_strategy.from_pretrained(args.load, dtype=DTYPES[args.dtype])
 
             def on_train_batch_start(self, batch, batch_idx):
-                out["load_s"] = time.perf_counter() - t0
+                measured()
                 if args.digests and args.mode in ("old", "new"):  # this rank's shards, after the timing
                     from zeropp_strategy.primitives import local
 
@@ -191,9 +202,7 @@ def run_cell(args: argparse.Namespace) -> None:
                 module.model = zeropp_strategy.from_pretrained(args.load, dtype=DTYPES[args.dtype])
         trainer.fit(module)
         out["rank"] = trainer.global_rank
-    peak.stop.set()
-    last = peak.sample()
-    out.update(peak_rss=peak.peak["VmRSS"], peak_anon=peak.peak["RssAnon"], VmHWM=last["VmHWM"])
+    measured(loaded=False)  # the peaks of a cell that never reached its first batch
     Path(f"{args.out}.{args.mode}.{out.get('rank', 0)}").write_text(json.dumps(out))
 
 
@@ -403,6 +412,8 @@ def compare_digests(cells: list[dict]) -> dict:
         verdict[mode] = {"tensors_equal": compared, "tensors_expected": 2 * len(plain), "differ": differ[:10],
                          "missing": missing[:10], "unexpected": extra[:10],
                          "equal_bit_for_bit": compared == 2 * len(plain) > 0 and not differ and not missing and not extra}
+    if not verdict:
+        return {"error": "no old or new cell to compare with plain: run --modes with old or new and --digests"}
     return verdict
 
 

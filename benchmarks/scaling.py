@@ -42,7 +42,7 @@ SYSTEMS = {
     "qwZ": {"stage": 3, "quantized_weights": True},
     "hpZ": {"stage": 3, "hpz_partition_size": 0},
     "qgZ": {"stage": 3, "quantized_gradients": True},
-    "zeropp": {"stage": 3, "quantized_weights": True, "hpz_partition_size": 0, "quantized_gradients": True},
+    "zeropp": None,  # the registered preset, as strategy="zeropp" gives it (read in worker)
 }
 Q8 = 1 + 4 / 256
 Q4 = 0.5 + 4 / 64
@@ -68,7 +68,7 @@ def worker(out: Path) -> None:
     from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from zeropp_strategy import ZeroPPStrategy
+    from zeropp_strategy import PRESETS, ZeroPPStrategy
     from zeropp_strategy.comm.ledger import CommKind
 
     torch.set_num_threads(1)
@@ -105,6 +105,7 @@ def worker(out: Path) -> None:
 
     results = {}
     for name, cfg in SYSTEMS.items():
+        cfg = PRESETS[name] if cfg is None else cfg
         seed_everything(0)
         rec = Record()
         module = GPT()

@@ -184,9 +184,15 @@ def test_bf16_matmul_stand_in_is_fp32_math_rounded_to_bf16():
 def test_pretrained_bit_check_passes_equal_shards_only():
     """benchmarks/pretrained.py --digests: rank shards against one process's rows, bit for
     bit; a flipped bit, a missing rank or no reference is not a pass."""
+    import sys
+
     import torch
 
-    from benchmarks import pretrained as P
+    path = list(sys.path)
+    try:
+        from benchmarks import pretrained as P  # it puts benchmarks/ first on sys.path, for its own imports
+    finally:
+        sys.path[:] = path
 
     g = torch.Generator().manual_seed(0)
     full = {"w": torch.randn(5, 3, generator=g), "b": torch.randn(7, generator=g), "s": torch.tensor(1.5)}
@@ -214,4 +220,5 @@ def test_pretrained_bit_check_passes_equal_shards_only():
     assert not bad["equal_bit_for_bit"] and bad["differ"] == ["rank 1: w"], bad
     gap = P.compare_digests([plain, ranks(drop=1)])["new"]
     assert not gap["equal_bit_for_bit"] and len(gap["missing"]) == 3, gap
-    assert "error" in P.compare_digests([ranks()])
+    assert "error" in P.compare_digests([ranks()])  # no reference
+    assert "error" in P.compare_digests([plain])  # nothing to compare with it

@@ -91,6 +91,18 @@ def test_dequantize_rows_into_out_holds_no_copy_of_the_whole(monkeypatch, bits, 
     assert made == ([] if cols == 2 * B else [8 * 2 * B] * 5), made
 
 
+@pytest.mark.parametrize("bits", (8, 4))
+def test_copy_into_a_quantized_weight_rounds_to_its_dtype_first(bits):
+    """A write of more precise values (fp32 rows of a file into a bf16 model, as the streamed
+    load hands them over) quantizes what a dense tensor of the weight's dtype would hold."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 256, generator=g)
+    w = QuantizedWeight.from_dense(torch.zeros(4, 256, dtype=torch.bfloat16), B, bits)
+    w.copy_(x)
+    want = QuantizedWeight.from_dense(x.to(torch.bfloat16), B, bits)
+    assert torch.equal(w.codes, want.codes) and torch.equal(w.scales, want.scales)
+
+
 def test_int8_weight_halves_16bit_storage():
     x = torch.randn(512, 1024, dtype=torch.bfloat16)
     w = Int8Weight.from_dense(x, 256)

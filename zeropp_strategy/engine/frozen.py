@@ -316,7 +316,9 @@ def _copy_(func, self, src, non_blocking: bool = False):  # noqa: ANN001, ANN202
         self.scales.copy_(src.scales, non_blocking)
         return self
     dense = src.dequantize() if isinstance(src, QuantizedWeight) else src
-    self._assign(dense.to(self.device).expand(self.shape))
+    # rounded to the weight's dtype first, as a dense tensor of that dtype would hold it: a
+    # streamed load hands over the file's rows (fp32 files into a bf16 model, for one)
+    self._assign(dense.to(device=self.device, dtype=self.dtype).expand(self.shape))
     return self
 
 
