@@ -35,15 +35,8 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SYSTEMS = {
-    "zeropp_stage_1": {"stage": 1},
-    "zeropp_stage_2": {"stage": 2},
-    "zeropp_stage_3": {"stage": 3},
-    "qwZ": {"stage": 3, "quantized_weights": True},
-    "hpZ": {"stage": 3, "hpz_partition_size": 0},
-    "qgZ": {"stage": 3, "quantized_gradients": True},
-    "zeropp": None,  # the registered preset, as strategy="zeropp" gives it (read in worker)
-}
+# the systems measured; their ZeroConfig fields are bench_train.py's (ours_fields), one table
+SYSTEMS = ("zeropp_stage_1", "zeropp_stage_2", "zeropp_stage_3", "qwZ", "hpZ", "qgZ", "zeropp")
 Q8 = 1 + 4 / 256
 Q4 = 0.5 + 4 / 64
 
@@ -68,7 +61,8 @@ def worker(out: Path) -> None:
     from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from zeropp_strategy import PRESETS, ZeroPPStrategy
+    from benchmarks.bench_train import ours_fields
+    from zeropp_strategy import ZeroPPStrategy
     from zeropp_strategy.comm.ledger import CommKind
 
     torch.set_num_threads(1)
@@ -104,8 +98,8 @@ def worker(out: Path) -> None:
             ledger.reset()
 
     results = {}
-    for name, cfg in SYSTEMS.items():
-        cfg = PRESETS[name] if cfg is None else cfg
+    for name in SYSTEMS:
+        cfg = ours_fields(name)
         seed_everything(0)
         rec = Record()
         module = GPT()

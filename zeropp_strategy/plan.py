@@ -374,7 +374,6 @@ def resolve(config: ZeroConfig, topology: Topology, *, gather_16bit_default: boo
         error_feedback=quantized_gradients and not one_node and config.gradient_error_feedback,  # one node: no cross hop
         frozen_weight_bits=config.frozen_weight_bits if config.quantize_frozen_weights and stage > 1 else 0,
         overlap_param_gather=stage == 1 and config.overlap_param_gather,
-        wrap_modules=tuple(config.wrap_modules),
         **{field_: getattr(config, name) for field_, name in _AS_CONFIGURED.items()},
     )
 
@@ -387,6 +386,7 @@ _AS_CONFIGURED = {
     "quantize_min_elems": "quantize_min_elems",
     "error_beta": "gradient_error_beta",
     "error_reset_steps": "gradient_error_reset_steps",
+    "wrap_modules": "wrap_modules",  # a tuple already (ZeroConfig normalizes it)
     "wrap_min_params": "wrap_min_params",
     "activation_checkpointing": "activation_checkpointing",
     "reduce_bucket_bytes": "reduce_bucket_bytes",
