@@ -17,7 +17,9 @@ stage1,stage1_rank0``, ``stage1`` (2 ranks, ``ZeroPPStrategy(stage=1)``, the sam
 ``configure_model``: every rank reads and holds the whole model, as under DDP) and
 ``stage1_rank0`` (the model built under ``trainer.init_module(empty_init=True)``: rank 0
 reads, the others get its values with DDP's broadcast). Per rank: seconds
-from the Trainer's start to the first training batch (load and shard), peak RSS (``VmHWM``
+from the Trainer's start to the first training batch (load and shard; ``plain``: the one
+``from_pretrained`` call), with the imports both sides need (transformers' Llama; Lightning
+and this package) done before the clock starts and timed beside it (``import_s``), peak RSS (``VmHWM``
 and a 20 ms sampler, with its anonymous part: mapped file pages are page cache), against
 the shard plus the largest tensor. ``--dtype fp32`` (the default): ``bf16-mixed`` as users
 train, fp32 parameters converted from the bf16 files; ``--dtype bf16``: ``bf16-true``, the
@@ -134,6 +136,20 @@ def run_cell(args: argparse.Namespace) -> None:
     peak.start()
     out: dict = {"mode": args.mode, "rss_before": status()["VmRSS"]}
     t0 = time.perf_counter()
+    # the code both sides run is imported before the clock starts (Lightning's import alone is 3-4 s
+    # on this machine, transformers' Llama 1-2 s): load_s is the load, import_s beside it
+    import importlib
+
+    importlib.import_module("transformers.models.llama.modeling_llama")
+    from transformers import AutoModelForCausalLM
+
+    if args.mode != "plain":
+        import lightning.pytorch as L
+
+        import zeropp_strategy
+        from zeropp_strategy import ZeroPPStrategy
+    out["import_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
 
     def measured(loaded: bool = True) -> None:  # the load's time and peaks end here, before any hashing
         if "peak_rss" in out:
@@ -145,19 +161,12 @@ def run_cell(args: argparse.Namespace) -> None:
         out.update(peak_rss=peak.peak["VmRSS"], peak_anon=peak.peak["RssAnon"], VmHWM=last["VmHWM"])
 
     if args.mode == "plain":
-        from transformers import AutoModelForCausalLM
-
         model = AutoModelForCausalLM.from_pretrained(args.load, dtype=DTYPES[args.dtype])
         measured()
         if args.digests:  # the rows each of 2 ranks should hold, for the bit-for-bit check
             out["digests"] = {name: [_digest(p[slice(*_shard_rows(p.shape, 2, r))] if p.dim() else p)
                                      for r in range(2)] for name, p in model.named_parameters()}
     else:
-        import lightning.pytorch as L
-
-        import zeropp_strategy
-        from zeropp_strategy import ZeroPPStrategy
-
         class Module(L.LightningModule):
             def __init__(self) -> None:
                 super().__init__()
@@ -166,8 +175,6 @@ def run_cell(args: argparse.Namespace) -> None:
             def configure_model(self) -> None:
                 if self.model is None:
                     if args.mode == "old":
-                        from transformers import AutoModelForCausalLM
-
                         self.model = AutoModelForCausalLM.from_pretrained(args.load, dtype=DTYPES[args.dtype])
                     else:
                         self.model = zeropp_strategy.from_pretrained(args.load, dtype=DTYPES[args.dtype])
@@ -388,30 +395,34 @@ def compare_digests(cells: list[dict]) -> dict:
     """Every sharded cell's rank shards against the rows of one process's
     ``transformers.from_pretrained``: equal bit for bit, tensor by tensor. A cell with a
     rank or a tensor missing is not equal (nothing passes on a partial result)."""
-    by_mode = {c["mode"]: c["ranks"] for c in cells}
-    plain = (by_mode.get("plain") or [{}])[0].get("digests")
+    plains = [c["ranks"][0].get("digests") if c["ranks"] else None for c in cells if c["mode"] == "plain"]
+    plain = plains[0] if plains else None
     if not plain:
         return {"error": "no digests from the plain process: run --modes with plain and --digests"}
     verdict = {}
+    if any(d != plain for d in plains[1:]):  # plain must repeat itself
+        verdict["plain"] = {"equal_bit_for_bit": False, "differ": ["a later plain run differs from the first"]}
     for mode in ("old", "new"):
-        ranks = by_mode.get(mode)
-        if ranks is None:
+        runs = [c["ranks"] for c in cells if c["mode"] == mode]  # every repeat of the mode is compared
+        if not runs:
             continue
-        got = {r.get("rank"): r.get("digests") or {} for r in ranks}
-        compared, differ, missing = 0, [], []
-        for name, want in plain.items():
-            for rank in range(2):
-                have = got.get(rank, {}).get(name)
-                if have is None:
-                    missing.append(f"rank {rank}: {name}")
-                elif have != want[rank]:
-                    differ.append(f"rank {rank}: {name}")
-                else:
-                    compared += 1
-        extra = sorted({n for d in got.values() for n in d} - set(plain))
-        verdict[mode] = {"tensors_equal": compared, "tensors_expected": 2 * len(plain), "differ": differ[:10],
-                         "missing": missing[:10], "unexpected": extra[:10],
-                         "equal_bit_for_bit": compared == 2 * len(plain) > 0 and not differ and not missing and not extra}
+        compared, differ, missing, extra = 0, [], [], set()
+        for ranks in runs:
+            got = {r.get("rank"): r.get("digests") or {} for r in ranks}
+            for name, want in plain.items():
+                for rank in range(2):
+                    have = got.get(rank, {}).get(name)
+                    if have is None:
+                        missing.append(f"rank {rank}: {name}")
+                    elif have != want[rank]:
+                        differ.append(f"rank {rank}: {name}")
+                    else:
+                        compared += 1
+            extra |= {n for d in got.values() for n in d} - set(plain)
+        expected = 2 * len(plain) * len(runs)
+        verdict[mode] = {"runs": len(runs), "tensors_equal": compared, "tensors_expected": expected,
+                         "differ": differ[:10], "missing": missing[:10], "unexpected": sorted(extra)[:10],
+                         "equal_bit_for_bit": compared == expected > 0 and not differ and not missing and not extra}
     if not verdict:
         return {"error": "no old or new cell to compare with plain: run --modes with old or new and --digests"}
     return verdict
@@ -482,9 +493,9 @@ def main() -> None:
             sys.exit(f"pretrained.py: cells {', '.join(bad)} failed or left ranks without results (see the log "
                      f"above); {RESULTS.name} is left unchanged")
         key = f"{Path(args.load).name}-{args.dtype}"
-        if key in runs:  # other modes of the same folder measured before are kept beside these
-            cells = {c["mode"]: c for c in runs[key].get("cells", [])} | {c["mode"]: c for c in res["cells"]}
-            res["cells"] = list(cells.values())
+        if key in runs:  # other modes of the same folder measured before are kept beside these (all repeats)
+            now = {c["mode"] for c in res["cells"]}
+            res["cells"] = [c for c in runs[key].get("cells", []) if c["mode"] not in now] + res["cells"]
         runs[key] = res
         RESULTS.write_text(json.dumps(runs, indent=1) + "\n")
         check = res.get("bit_for_bit")

@@ -221,4 +221,9 @@ def test_pretrained_bit_check_passes_equal_shards_only():
     gap = P.compare_digests([plain, ranks(drop=1)])["new"]
     assert not gap["equal_bit_for_bit"] and len(gap["missing"]) == 3, gap
     assert "error" in P.compare_digests([ranks()])  # no reference
+    twice = P.compare_digests([plain, ranks(), plain, ranks(flip=True)])  # every repeat is compared
+    assert twice["new"]["runs"] == 2 and not twice["new"]["equal_bit_for_bit"], twice
+    assert twice["new"]["tensors_equal"] == 11 and twice["new"]["tensors_expected"] == 12, twice
+    other = {"mode": "plain", "ranks": [{"digests": {**plain["ranks"][0]["digests"], "w": ["x", "y"]}}]}
+    assert not P.compare_digests([plain, ranks(), other])["plain"]["equal_bit_for_bit"]  # plain disagrees with itself
     assert "error" in P.compare_digests([plain])  # nothing to compare with it

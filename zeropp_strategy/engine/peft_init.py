@@ -14,6 +14,7 @@ holds it), once per adapter, over whole tensors (``whole``: engine/fsdp.py's
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack
 from typing import Any
@@ -32,10 +33,9 @@ def lora_inits(root: nn.Module,
     """id(an adapter's A or B Linear) -> ``init(module)`` running peft's initialization of
     that adapter (the first call; later calls do nothing), in the form of ``materialize``'s
     per-module initializers. Empty without peft or without LoRA layers."""
-    try:
-        from peft.tuners.lora import LoraLayer
-    except ImportError:
+    if "peft" not in sys.modules:  # no LoRA layer exists without peft imported (0.3 s of import saved)
         return {}
+    from peft.tuners.lora import LoraLayer
     configs: dict[str, Any] = {}
     for m in root.modules():
         found = getattr(m, "peft_config", None)
