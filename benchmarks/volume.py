@@ -602,8 +602,10 @@ def render_parts(results_dir: Path) -> list[str]:
                       "ratios within a section only.", ""]
         if part == "stage1":
             lines += [
-                "`zeropp_stage_1`: the default, `step()` waits for every bucket's gather (one bucket: the "
-                "model's 13 MB are below `allgather_bucket_bytes`). `zeropp_stage_1_overlap`: "
+                "`zeropp_stage_1`: the default, `step()` gathers the buckets one after another and waits for "
+                "each (since 2026-11-27 at most `GATHER_WINDOW_BYTES` = 4 MiB gathered per bucket, through one "
+                "reused pair of buffers: the model's 13 MB go in 4; docs/stages.md, resident memory of stage 1). "
+                "`zeropp_stage_1_overlap`: "
                 "`overlap_param_gather=True`, the gathers finish under the next forward. The `OVERLAP_BUCKETS = 1` "
                 "and `16` rows are the experiment behind its value 8 (`bench_train.py --overlap-buckets N`; buckets "
                 "are whole parameters of at least 1 MiB, hence 12 and 22 buckets rather than 8 and 16).", "",

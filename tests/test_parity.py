@@ -60,12 +60,29 @@ def _fit(strategy: str, world: int, variant: dict):
 
 def _worker(rank: int, world: int) -> dict:
     import torch
-    from torch.distributed.tensor import DTensor
 
     import zeropp_strategy  # noqa: F401 - registers the strategy names
-    from zeropp_strategy.comm.ledger import CommKind
+
+    from zeropp_strategy.engine import stage1, stage1_reduce
 
     out: dict = {"diff": {}, "grad_calls": {}, "memory": {}, "frozen": {}}
+    # windows far smaller than the model's buckets: stage 1 reduces and gathers every bucket
+    # in many pieces, across gradient and padding boundaries, and must still be DDP's bits
+    saved = stage1_reduce.REDUCE_WINDOW_BYTES, stage1.GATHER_WINDOW_BYTES
+    stage1_reduce.REDUCE_WINDOW_BYTES, stage1.GATHER_WINDOW_BYTES = 256, 512
+    try:
+        _variants(world, out)
+    finally:
+        stage1_reduce.REDUCE_WINDOW_BYTES, stage1.GATHER_WINDOW_BYTES = saved
+    torch.distributed.barrier()
+    return out
+
+
+def _variants(world: int, out: dict) -> None:
+    from torch.distributed.tensor import DTensor
+
+    from zeropp_strategy.comm.ledger import CommKind
+
     for vname, variant in VARIANTS.items():
         _, _, ref = _fit("ddp", world, variant)
         for stage in STAGES:
@@ -88,8 +105,6 @@ def _worker(rank: int, world: int) -> dict:
                     "state": sum(id(shard_of(p) if shard_of else p) in state_params for p in frozen),
                     "sharded": all(isinstance(p, DTensor) for p in frozen) if stage != "zeropp_stage_1" else None,
                 }
-    torch.distributed.barrier()
-    return out
 
 
 @pytest.fixture(scope="module", params=[pytest.param(2, marks=pytest.mark.compat), 4], ids=["2ranks", "4ranks"])
@@ -127,6 +142,42 @@ def test_stage1_is_bit_exact(results):
         for (vname, stage), diff in out["diff"].items():
             if stage == "zeropp_stage_1" and vname != "clip_norm":
                 assert diff == 0.0, (vname, diff)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_stage1_reduce_windows_rebuild_the_rank_major_layout(world):
+    """The windows ``reduce`` sends one after another are, put together, the (world, chunk)
+    rank-major layout (each rank's rows of every gradient, padded with zeros), and writing a
+    reduced window back touches this rank's rows only."""
+    import torch
+
+    from zeropp_strategy.engine.stage1_reduce import _gather_window, _layout, _scatter_window
+
+    params = [torch.empty(5, 3), torch.empty(()), torch.empty(7), torch.empty(2, 2, 2), torch.empty(1, 4)]
+    numel = sum(p.numel() for p in params)
+    buffer = torch.arange(1.0, numel + 1)
+    for rank in range(world):
+        layout = _layout(params, numel, world, rank, 4)
+        whole = []
+        for r in range(world):  # the layout built in one piece: rows, then zeros up to the padded share
+            for (a, b), c in zip(layout.segments[r], layout.chunk_elems):
+                whole += [buffer[a:b], torch.zeros(c - (b - a))]
+        whole = torch.cat(whole).view(world, layout.chunk)
+        for width in (1, 2, 3, 7, layout.chunk):
+            for r in range(world):
+                got = torch.full((layout.chunk,), float("nan"))
+                for w0 in range(0, layout.chunk, width):
+                    w1 = min(w0 + width, layout.chunk)
+                    _gather_window(got[w0:w1], buffer, layout.runs[r], w0, w1)
+                assert torch.equal(got, whole[r]), (world, rank, width, r)
+            back = buffer.clone()
+            for w0 in range(0, layout.chunk, width):
+                w1 = min(w0 + width, layout.chunk)
+                _scatter_window(back, -whole[rank][w0:w1], layout.runs[rank], w0, w1)
+            mine = torch.zeros(numel, dtype=torch.bool)
+            for a, b in layout.segments[rank]:
+                mine[a:b] = True
+            assert torch.equal(back[mine], -buffer[mine]) and torch.equal(back[~mine], buffer[~mine])
 
 
 def test_the_exact_stages_step_on_local_shards(results):

@@ -22,6 +22,7 @@ from zeropp_strategy.comm.comm_thread import BackwardDeferral, ThreadGroups
 from zeropp_strategy.comm.hierarchical import NodeGroups, all_gather, native_all_gather, reduce_scatter
 from zeropp_strategy.comm.ledger import CommKind, CommLedger, Phase
 from zeropp_strategy.fsdp_private import AllGather, ReduceScatter  # FSDP2's comm-object bases
+from zeropp_strategy.primitives import Alloc, fresh
 
 __all__ = [
     "LedgerAllGather",
@@ -196,17 +197,18 @@ def all_gather_into(
     group: dist.ProcessGroup | None = None,
     nodes: NodeGroups | None = None,
     async_op: bool = False,
+    alloc: Alloc = fresh,
 ) -> dist.Work | None:
     """Gather every rank's ``input`` into the flat ``output`` (``n * input.numel()``).
 
     Bytes per rank: ``input`` bytes to every other rank of the group (two hops when the
-    group spans nodes and ``nodes`` is given).
+    group spans nodes and ``nodes`` is given, their temporaries from ``alloc``).
     """
     if group is None or nodes is None:
         ledger.record_all_gather(kind, tensor_bytes(input), group_ranks(group))
         return native_all_gather(output, input, group, async_op)
     return all_gather(output, input, group=group, ranks=group_ranks(group), ledger=ledger, kind=kind,
-                      nodes=nodes, async_op=async_op)
+                      nodes=nodes, async_op=async_op, alloc=alloc)
 
 
 def broadcast(

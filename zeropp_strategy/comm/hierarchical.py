@@ -74,6 +74,7 @@ import torch
 import torch.distributed as dist
 
 from zeropp_strategy.comm.ledger import CommKind, CommLedger
+from zeropp_strategy.primitives import Alloc, fresh
 from zeropp_strategy.topology import Topology
 
 __all__ = ["NodeGroups", "PendingWork", "all_gather", "has_native_reduce_scatter", "reduce_scatter", "ring_blocks"]
@@ -209,6 +210,7 @@ def reduce_scatter(
     nodes: NodeGroups | None,
     async_op: bool = False,
     ring_order: torch.Tensor | None = None,
+    alloc: Alloc = fresh,
 ) -> dist.Work | None:
     """Reduce ``input`` (W chunks of ``output.numel()``) over ``group``; this rank keeps its
     chunk in ``output``. ``ranks``: the group's global ranks (``group_ranks(group)``).
@@ -216,7 +218,9 @@ def reduce_scatter(
     of bf16 gradients land in fp32 without a last rounding). ``ring_order``: per element
     of ``output``, its ``ring_blocks`` in the buffer DDP all-reduces; the flat path then
     adds in gloo's ring order, DDP's bits ([Note: ring order]). Without it (and in the
-    two-hop path) the sum is exact in fp64, rounded once into ``output``.
+    two-hop path) the sum is exact in fp64, rounded once into ``output``. ``alloc``: where
+    the temporaries come from (a ``Workspace``: [Note: communication temporaries in a
+    workspace] in primitives.py).
 
     Bytes per rank: see [Note: two-hop collectives]; the ledger books what each hop sends.
     """
@@ -237,18 +241,18 @@ def reduce_scatter(
                          "one ring_blocks value per element of output.")
     avg = op == dist.ReduceOp.AVG
     if nodes is not None and nodes.two_hop(ranks):
-        return _reduce_scatter_two_hop(output, input, nodes, ledger, kind, avg, async_op)
+        return _reduce_scatter_two_hop(output, input, nodes, ledger, kind, avg, async_op, alloc)
     e = input.element_size()
-    recv = torch.empty(world * s, dtype=input.dtype, device=input.device)
+    recv = alloc("recv", world * s, input.dtype, input.device)
     ledger.record_reduce_scatter(kind, s * e, ranks)
     work = dist.all_to_all_single(recv, input.reshape(-1).contiguous(), group=group, async_op=True)
 
     def then() -> None:
         parts = recv.view(world, s)
         if ring_order is None:
-            _sum_into(output, parts, world if avg else None)
+            _sum_into(output, parts, world if avg else None, alloc)
         else:
-            _ring_sum_into(output, parts, ring_order, world if avg else None)
+            _ring_sum_into(output, parts, ring_order, world if avg else None, alloc)
 
     return _finish(work, then, async_op)
 
@@ -263,13 +267,14 @@ def _prescaled(parts: torch.Tensor, divide_by: int | None) -> torch.Tensor:
     return parts.to(_sum_dtype(parts.dtype)).mul_(1.0 / divide_by)
 
 
-def _rounded_sum(parts: torch.Tensor) -> torch.Tensor:
+def _rounded_sum(parts: torch.Tensor, alloc: Alloc = fresh) -> torch.Tensor:
     """Sum over dim 0 where no order is asked for: floating summands add in fp64 (exact for
     a few fp32 ranks), so the caller's cast rounds the true sum once, the same bits for
     any order of the W parts ([Note: ring order])."""
     acc = torch.float64 if parts.is_floating_point() else parts.dtype
-    total = parts[0].to(acc, copy=True)
-    wide = torch.empty_like(total)
+    total = alloc("sum", parts.shape[1], acc, parts.device)
+    total.copy_(parts[0])
+    wide = alloc("summand", parts.shape[1], acc, parts.device)
     for row in parts[1:]:
         total.add_(wide.copy_(row))  # same-dtype adds: a mixed-dtype add_ measured twice as slow
     return total
@@ -280,25 +285,26 @@ SUM_CHUNK_ELEMS = 1 << 20
 16 bytes per output element (1.6 GB for the root group of a 4B Llama on 2 ranks)."""
 
 
-def _sum_into(output: torch.Tensor, parts: torch.Tensor, divide_by: int | None) -> None:
+def _sum_into(output: torch.Tensor, parts: torch.Tensor, divide_by: int | None, alloc: Alloc = fresh) -> None:
     """output = the sum over dim 0 of ``parts`` (each scaled by 1/divide_by first), in
     column chunks (elementwise, so the same bits as one pass)."""
     if not output.is_contiguous():
-        output.copy_(_rounded_sum(_prescaled(parts, divide_by)).view_as(output))
+        output.copy_(_rounded_sum(_prescaled(parts, divide_by), alloc).view_as(output))
         return
     flat = output.view(-1)
     for start in range(0, parts.shape[1], SUM_CHUNK_ELEMS):
         cols = parts[:, start : start + SUM_CHUNK_ELEMS]
-        flat[start : start + cols.shape[1]].copy_(_rounded_sum(_prescaled(cols, divide_by)))
+        flat[start : start + cols.shape[1]].copy_(_rounded_sum(_prescaled(cols, divide_by), alloc))
 
 
-def _ring_sum_into(output: torch.Tensor, parts: torch.Tensor, blocks: torch.Tensor, divide_by: int | None) -> None:
+def _ring_sum_into(output: torch.Tensor, parts: torch.Tensor, blocks: torch.Tensor, divide_by: int | None,
+                   alloc: Alloc = fresh) -> None:
     """``_sum_into`` with each column's W values added in gloo's ring order for its block
     ([Note: ring order]), in the wire dtype as gloo does (fp32 for a 16-bit wire). One pass
     per run of equal blocks: a chunk in buffer order (or reversed) has at most W runs."""
     world, n = parts.shape
     parts = _prescaled(parts, divide_by)
-    total = torch.empty(n, dtype=_sum_dtype(parts.dtype), device=parts.device)
+    total = alloc("sum", n, _sum_dtype(parts.dtype), parts.device)
     values, counts = torch.unique_consecutive(blocks, return_counts=True)
     at = 0
     for k, c in zip(values.tolist(), counts.tolist(), strict=True):
@@ -312,13 +318,14 @@ def _ring_sum_into(output: torch.Tensor, parts: torch.Tensor, blocks: torch.Tens
 
 def _reduce_scatter_two_hop(
     output: torch.Tensor, input: torch.Tensor, nodes: NodeGroups, ledger: CommLedger,  # noqa: A002
-    kind: CommKind, avg: bool, async_op: bool,
+    kind: CommKind, avg: bool, async_op: bool, alloc: Alloc = fresh,
 ) -> dist.Work | None:
     t = nodes.topology
     M, L, s, e = t.num_nodes, t.ranks_per_node, output.numel(), input.element_size()
     # (M, L, s) -> (L, M, s): row l' holds the chunks of ranks (m, l') for every node m.
-    send = input.reshape(M, L, s).transpose(0, 1).reshape(-1)  # a copy: the transposed order
-    recv = torch.empty_like(send)
+    send = alloc("send", M * L * s, input.dtype, input.device)  # the transposed order
+    send.view(L, M, s).copy_(input.reshape(M, L, s).transpose(0, 1))
+    recv = alloc("recv", M * L * s, input.dtype, input.device)
     peers = t.node_ranks(t.node)
     ledger.record(kind, dict.fromkeys(peers, M * s * e))
     work = dist.all_to_all_single(recv, send, group=nodes.intra_group, async_op=True)
@@ -326,11 +333,12 @@ def _reduce_scatter_two_hop(
     def then() -> None:
         # recv[l'] = node peer l''s chunks of ranks (m, l) for every m: (L, M, s) -> partial (M, s)
         # AVG scales the W summands here, before the first sum, as DDP scales its bucket
-        partial = _rounded_sum(_prescaled(recv.view(L, M * s), t.world_size if avg else None)).to(input.dtype)
-        across = torch.empty_like(partial)
+        partial = alloc("partial", M * s, input.dtype, input.device)
+        _sum_into(partial, _prescaled(recv.view(L, M * s), t.world_size if avg else None), None, alloc)
+        across = alloc("across", M * s, input.dtype, input.device)
         ledger.record(kind, {m * L + t.local_rank: s * e for m in range(M)})
         dist.all_to_all_single(across, partial, group=nodes.inter_group)
-        _sum_into(output, across.view(M, s), None)
+        _sum_into(output, across.view(M, s), None, alloc)
 
     return _finish(work, then, async_op)
 
@@ -350,12 +358,14 @@ def all_gather(
     async_op: bool = False,
     baseline_bytes: int | None = None,
     then: Callable[[], None] | None = None,
+    alloc: Alloc = fresh,
 ) -> dist.Work | None:
     """Every rank's ``input`` concatenated into ``output`` in group-rank order.
 
     Bytes per rank: see [Note: two-hop collectives]. ``baseline_bytes``: what an
     unquantized shard would have sent (qwZ books its int8 payload against it). ``then``:
     runs once the gather is complete (qwZ's dequantization), before ``wait()`` returns.
+    ``alloc``: where the two-hop temporaries come from (as ``reduce_scatter``'s).
     """
     s = input.numel()
     base = s * input.element_size() if baseline_bytes is None else baseline_bytes
@@ -365,13 +375,13 @@ def all_gather(
         return _finish(work, then or (lambda: None), async_op)
     t = nodes.topology
     M, L, e = t.num_nodes, t.ranks_per_node, input.element_size()
-    node_chunks = torch.empty(M * s, dtype=input.dtype, device=input.device)
+    node_chunks = alloc("node_chunks", M * s, input.dtype, input.device)
     ledger.record(kind, {m * L + t.local_rank: s * e for m in range(M)},
                   baseline_bytes_to_rank={m * L + t.local_rank: base for m in range(M)})
     work = native_all_gather(node_chunks, input.reshape(-1).contiguous(), nodes.inter_group, async_op=True)
 
     def finish() -> None:
-        everyone = torch.empty(L * M * s, dtype=input.dtype, device=input.device)
+        everyone = alloc("everyone", L * M * s, input.dtype, input.device)
         ledger.record(kind, dict.fromkeys(t.node_ranks(t.node), M * s * e),
                       baseline_bytes_to_rank=dict.fromkeys(t.node_ranks(t.node), M * base))
         native_all_gather(everyone, node_chunks, nodes.intra_group, async_op=False)

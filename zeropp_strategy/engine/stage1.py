@@ -37,14 +37,17 @@ flag); a user who needs a whole averaged gradient at stage 1 must gather it (or 
 ``strategy="ddp"``). 0-dim parameters' gradients are all-reduced whole.
 
 [Note: stage-1 asynchronous gather]
-``step()`` issues the all-gathers of every bucket before it waits for any of them. By
-default it then waits for all, so whoever reads a parameter after ``step()`` reads the
-updated value, as with DDP. With ``overlap_param_gather=True`` it returns without waiting,
-and the gathers finish while the next forward runs. Each bucket is one asynchronous ``all_gather_into`` (two hops across nodes: the
+By default ``step()`` gathers the updated rows one bucket after another, each bucket at
+most ``GATHER_WINDOW_BYTES`` gathered (a larger parameter is cut into pieces of rows), all
+through one pair of reused buffers ([Note: communication temporaries in a workspace] in
+primitives.py), and returns when all are in: whoever reads a parameter after ``step()``
+reads the updated value, as with DDP. With ``overlap_param_gather=True`` it issues the
+all-gathers of every bucket, each with buffers of its own, and returns without waiting;
+the gathers finish while the next forward runs. Each bucket is one asynchronous ``all_gather_into`` (two hops across nodes: the
 cross-node hop is in flight when ``step()`` returns, the within-node hop and the copy of
 the received rows into the parameters run when the bucket is waited for). Buckets follow
 the optimizer's parameter order, which is the order a model's forward uses them when its
-modules are defined in the order they run (transformers are), and hold at most
+modules are defined in the order they run (transformers are), and, overlapped, hold at most
 ``allgather_bucket_bytes`` and at most 1/``OVERLAP_BUCKETS`` of the gathered bytes
 (never less than ``OVERLAP_MIN_BUCKET_BYTES``), so that the first blocks can compute
 while the later buckets are still crossing the link. ``PendingParams`` ([Note: waiting
@@ -78,6 +81,7 @@ from zeropp_strategy.comm.ledger import CommKind, CommLedger, Phase
 from zeropp_strategy.engine.local_step import local_shards
 from zeropp_strategy.engine.pending_params import PendingParams
 from zeropp_strategy.primitives import WrappingOptimizer as WrappingOptimizer  # re-export: its old home
+from zeropp_strategy.primitives import Alloc, Workspace, fresh
 
 
 OVERLAP_BUCKETS = 8
@@ -87,6 +91,10 @@ ones; docs/benchmarks_volume.md has the measurement (1, 8 and 16 buckets)."""
 OVERLAP_MIN_BUCKET_BYTES = 2**20
 """...but no bucket below 1 MiB: each bucket is a collective (two across nodes) with its
 own fixed cost."""
+GATHER_WINDOW_BYTES = 4 * 2**20
+"""Without the overlap, the gathered bytes of one bucket at most (a larger parameter is cut
+into pieces of rows): the buckets go one after another through one workspace ([Note:
+communication temporaries in a workspace] in primitives.py), so this bounds it."""
 
 
 def row_range(dim0: int, rank: int, world_size: int) -> tuple[int, int]:
@@ -164,6 +172,9 @@ class ShardedOptimizer(WrappingOptimizer):
         # the hooks that make readers wait for them.
         overlapped = [s.param for s in self._slots if s.chunk_rows and self._world > 1] if overlap_param_gather else []
         self._in_flight = PendingParams(overlapped)
+        # Gathered one bucket at a time unless they overlap the next forward: then one pair of
+        # buffers serves every bucket ([Note: communication temporaries in a workspace]).
+        self._work = Workspace()
 
     # -- construction ------------------------------------------------------------------
 
@@ -258,23 +269,34 @@ class ShardedOptimizer(WrappingOptimizer):
 
     # -- the post-step all-gather ----------------------------------------------------------
 
-    def _buckets(self) -> list[list[_Slot]]:
+    def _buckets(self) -> list[list[tuple[_Slot, int, int]]]:
         """The trainable row-sharded parameters in optimizer order, cut into buckets of one
-        dtype and device, sized as [Note: stage-1 asynchronous gather] says."""
+        dtype and device, sized as [Note: stage-1 asynchronous gather] says. A bucket is a
+        list of ``(slot, r0, r1)``: rows ``r0:r1`` of each rank's ``chunk_rows``. Gathered
+        one at a time (no overlap), a parameter larger than ``GATHER_WINDOW_BYTES`` is cut
+        into pieces of rows, so that no bucket is larger; otherwise whole parameters."""
         slots = [s for s in self._slots if s.chunk_rows and s.param.requires_grad]
-        gathered = [s.chunk_rows * s.param[0].numel() * s.param.element_size() * self._world for s in slots]
         limit = self.allgather_bucket_bytes
         if self.overlap_param_gather:  # small enough that the first blocks' rows arrive first
-            limit = min(limit, max(OVERLAP_MIN_BUCKET_BYTES, math.ceil(sum(gathered) / OVERLAP_BUCKETS)))
-        buckets: list[list[_Slot]] = []
+            total = sum(s.chunk_rows * s.param[0].numel() * s.param.element_size() * self._world for s in slots)
+            limit = min(limit, max(OVERLAP_MIN_BUCKET_BYTES, math.ceil(total / OVERLAP_BUCKETS)))
+        else:  # one bucket at a time in one workspace: its size is the buffers' size
+            limit = min(limit, GATHER_WINDOW_BYTES)
+        buckets: list[list[tuple[_Slot, int, int]]] = []
         size = 0
-        for s, nbytes in zip(slots, gathered):
-            last = buckets[-1][-1].param if buckets else None
-            if last is None or (s.param.dtype, s.param.device) != (last.dtype, last.device) or size + nbytes > limit:
-                buckets.append([])
-                size = 0
-            buckets[-1].append(s)
-            size += nbytes
+        for s in slots:
+            row_bytes = s.param[0].numel() * s.param.element_size() * self._world  # one row of every rank
+            step = s.chunk_rows if self.overlap_param_gather else max(1, limit // row_bytes)
+            for r0 in range(0, s.chunk_rows, step):
+                r1 = min(r0 + step, s.chunk_rows)
+                nbytes = (r1 - r0) * row_bytes
+                last = buckets[-1][-1][0].param if buckets else None
+                if last is None or (s.param.dtype, s.param.device) != (last.dtype, last.device) \
+                        or size + nbytes > limit:
+                    buckets.append([])
+                    size = 0
+                buckets[-1].append((s, r0, r1))
+                size += nbytes
         return buckets
 
     def _start_gathers(self) -> None:
@@ -282,41 +304,46 @@ class ShardedOptimizer(WrappingOptimizer):
         if self._world == 1:
             return
         buckets = self._buckets()
-        works = [self._gather_bucket(b) for b in buckets]
-        self._in_flight.start([[s.param for s in b] for b in buckets], works)
-        if not self.overlap_param_gather:
-            self._in_flight.wait()  # every reader sees the updated weights once step() returns
+        if not self.overlap_param_gather:  # every reader sees the updated weights once step() returns
+            for b in buckets:
+                self._gather_bucket(b, self._work).wait()
+            return
+        works = [self._gather_bucket(b, fresh) for b in buckets]  # in flight together: buffers of their own
+        self._in_flight.start([[s.param for s, _, _ in b] for b in buckets], works)
 
-    def _gather_bucket(self, slots: list[_Slot]) -> PendingWork:
+    def _gather_bucket(self, pieces: list[tuple[_Slot, int, int]], alloc: Alloc) -> PendingWork:
         """Asynchronous all-gather of one bucket; its ``wait()`` writes the received rows.
 
-        Bytes sent per rank: the bucket's padded shard (sum over params of chunk_rows *
+        Bytes sent per rank: the bucket's padded shard (sum over pieces of their rows *
         row_elems * element_size) to each of the N-1 peers (two hops across nodes).
         """
-        p0 = slots[0].param
-        sizes = [s.chunk_rows * s.param[0].numel() for s in slots]  # padded elems per rank
+        p0 = pieces[0][0].param
+        sizes = [(r1 - r0) * s.param[0].numel() for s, r0, r1 in pieces]  # padded elems per rank
         per_rank = sum(sizes)
-        send = torch.zeros(per_rank, dtype=p0.dtype, device=p0.device)
+        send = alloc("gather_send", per_rank, p0.dtype, p0.device)
         offset = 0
-        for s, n in zip(slots, sizes):
-            own = s.param.detach()[s.rows[0] : s.rows[1]].reshape(-1)
+        for (s, r0, r1), n in zip(pieces, sizes):
+            lo, hi = s.rows
+            own = s.param.detach()[min(lo + r0, hi) : min(lo + r1, hi)].reshape(-1)
             send[offset : offset + own.numel()].copy_(own)
+            send[offset + own.numel() : offset + n].zero_()
             offset += n
-        recv = torch.empty(per_rank * self._world, dtype=p0.dtype, device=p0.device)
+        recv = alloc("gather_recv", per_rank * self._world, p0.dtype, p0.device)
         work = all_gather_into(recv, send, ledger=self.ledger, kind=CommKind.PARAM_UPDATE,
-                               group=self.mesh.get_group(), nodes=self.nodes, async_op=True)
-        return PendingWork(work, lambda: self._unpack(slots, sizes, recv.view(self._world, per_rank)))
+                               group=self.mesh.get_group(), nodes=self.nodes, async_op=True, alloc=alloc)
+        return PendingWork(work, lambda: self._unpack(pieces, sizes, recv.view(self._world, per_rank)))
 
     @torch.no_grad()
-    def _unpack(self, slots: list[_Slot], sizes: list[int], recv: torch.Tensor) -> None:
+    def _unpack(self, pieces: list[tuple[_Slot, int, int]], sizes: list[int], recv: torch.Tensor) -> None:
         """Copy the other ranks' rows of a gathered bucket (world, per_rank) into the params."""
         offset = 0
-        for s, n in zip(slots, sizes):
+        for (s, r0, r1), n in zip(pieces, sizes):
             full = s.param.detach()
             d0 = full.shape[0]
             row = full[0].numel()
             for r in range(self._world):
                 lo, hi = row_range(d0, r, self._world)
+                lo, hi = min(lo + r0, hi), min(lo + r1, hi)
                 if hi > lo and r != self._rank:
                     full[lo:hi].copy_(recv[r, offset : offset + (hi - lo) * row].view_as(full[lo:hi]))
             offset += n
