@@ -79,11 +79,17 @@ def destroy_at_exit() -> None:
     launcher).
 
     [Note: orderly exit]
-    A gloo process group still alive when the interpreter finalizes can abort the process
-    ("terminate called without an active exception") after training finished, which
-    torchrun then reports as a failed job: its worker threads are torn down by C++ static
-    destruction while they still hold work. Seen on one rank in about one run in ten on
-    the simulated 2x2 cluster. At exit, while Python is still whole, in this order:
+    A rank can abort after training finished ("terminate called without an active
+    exception"), which torchrun then reports as a failed job; seen on one rank in about one
+    run in ten on the simulated 2x2 cluster. The mechanism (reproduced deterministically by
+    tests/test_exit.py): once the interpreter has begun to finalize, a thread that takes
+    the GIL is ended with ``pthread_exit``; torch retakes the GIL in a C++ destructor (the
+    guard that releases it around an op or a collective), and unwinding through that
+    destructor calls ``std::terminate``. So no thread may be inside torch when the
+    interpreter finalizes: not our comm threads or watchdog (Python threads), and, by
+    upstream's account (pytorch/pytorch PR #179291; not reproduced here), not a gloo
+    group's worker threads, which need the GIL when the last reference to a Python tensor
+    of a finished work goes with them. At exit, while Python is still whole, in this order:
     1. every comm thread is stopped after its queued jobs (``close_all``), so none is
        inside a collective of the groups about to go; at most 10 s each: one stuck in a
        collective whose peer is gone means the run failed, and then nothing below is
@@ -93,7 +99,11 @@ def destroy_at_exit() -> None:
        meshes') and the default one, shut down in torch's own order (reverse creation).
        After an uncaught exception under NCCL this is skipped: its shutdown may wait
        for peers that are gone (the trap torchtitan met); gloo's is local;
-    4. a garbage collection, so that the groups' C++ objects are freed now.
+    4. ``release_destroyed_groups``: destroyed groups whose C++ objects torch still
+       references (DTensor's sharding cache holds meshes, a mesh holds its groups) are let
+       go, and a garbage collection frees them now, joining their gloo threads; before
+       this step one gloo group's threads were still running after the hook at the end
+       of every stage-3 fit (FSDP2's own runs under Lightning keep two).
     Local only: by exit every collective is done. Registered by ``ZeroSession.start``,
     which runs after whatever created the default group, so it runs before the exit
     hooks of the code that started the session (atexit runs the last registered first).
@@ -122,9 +132,39 @@ def _orderly_exit() -> None:
             failed = getattr(sys, "last_value", None) is not None
             if not (failed and dist.get_backend() == "nccl"):
                 dist.destroy_process_group()
+        if dist.is_available() and not dist.is_initialized():  # ours, or the launcher's own destroy
+            release_destroyed_groups()
         gc.collect()
     except Exception:  # noqa: BLE001 - best effort at exit; never mask the real exit status
         pass
+
+
+def release_destroyed_groups() -> None:
+    """After ``destroy_process_group()``: drop torch's references that keep the destroyed
+    groups' C++ objects, and with them their gloo worker and transport threads, alive.
+    DTensor's sharding-propagation cache holds ``DTensorSpec``s, each holding its
+    ``DeviceMesh``, which holds its groups (``_pg_registry``): after a stage-2/3 fit that
+    kept a gloo group's threads running into interpreter finalization although every
+    group had been destroyed (found at stop 47: in ``benchmarks/bench_train.py`` runs,
+    FSDP2's and ours alike). Private torch names, each looked up and skipped if absent."""
+    import gc
+
+    try:
+        from torch.distributed.tensor import DTensor
+
+        propagator = DTensor._op_dispatcher.sharding_propagator
+        for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
+            clear = getattr(getattr(propagator, name, None), "cache_clear", None)
+            if callable(clear):
+                clear()
+        from torch.distributed.device_mesh import DeviceMesh
+    except Exception:  # noqa: BLE001 - another torch: nothing known to release
+        return
+    for obj in gc.get_objects():
+        if type(obj) is DeviceMesh:  # not isinstance: its metaclass check touches every object (warnings)
+            registry = getattr(obj, "_pg_registry", None)
+            if isinstance(registry, dict):
+                registry.clear()
 
 
 def connect(
