@@ -170,6 +170,10 @@ def test_stage1_reduce_windows_rebuild_the_rank_major_layout(world):
                     w1 = min(w0 + width, layout.chunk)
                     _gather_window(got[w0:w1], buffer, layout.runs[r], w0, w1)
                 assert torch.equal(got, whole[r]), (world, rank, width, r)
+                narrow = torch.empty(layout.chunk, dtype=torch.bfloat16)  # a 16-bit wire: converted as copied
+                for w0 in range(0, layout.chunk, width):
+                    _gather_window(narrow[w0 : w0 + width], buffer, layout.runs[r], w0, min(w0 + width, layout.chunk))
+                assert torch.equal(narrow, whole[r].to(torch.bfloat16)), (world, rank, width, r)
             back = buffer.clone()
             for w0 in range(0, layout.chunk, width):
                 w1 = min(w0 + width, layout.chunk)

@@ -3,8 +3,8 @@ stage-1 asynchronous gather]); without it (the default) ``step()`` returns with 
 
 Reference: plain DDP, same init, data and AdamW, stepped in lock-step with stage 1.
 
-- engine (4 gloo ranks as 2 simulated nodes x 2, so the gathers take two hops; small
-  buckets): after ``step()`` the gathers are pending and the other ranks' rows still hold
+- engine (4 gloo ranks as 2 simulated nodes x 2, so the gathers and the reduce take two
+  hops; small buckets, the reduce in 256-byte windows): after ``step()`` the gathers are pending and the other ranks' rows still hold
   their old values; a module's forward waits for the buckets of its own parameters while
   a later bucket is still pending; ``state_dict`` right after a step holds the updated
   values; ``load_state_dict`` right after a step is not overwritten by the gathers
@@ -36,6 +36,17 @@ STEPS = 6
 
 
 def _engine_worker(rank: int, world: int) -> dict:
+    from zeropp_strategy.engine import stage1_reduce
+
+    # the reduce in windows far smaller than its buckets, each a two-hop reduce-scatter
+    saved, stage1_reduce.REDUCE_WINDOW_BYTES = stage1_reduce.REDUCE_WINDOW_BYTES, 256
+    try:
+        return _engine_run(rank, world)
+    finally:
+        stage1_reduce.REDUCE_WINDOW_BYTES = saved
+
+
+def _engine_run(rank: int, world: int) -> dict:
     import torch
     import torch.distributed as dist
     from torch import nn

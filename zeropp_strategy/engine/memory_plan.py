@@ -215,11 +215,11 @@ def _elems(params: Iterable[nn.Parameter]) -> int:
     return sum(p.numel() for p in params)
 
 
-def _stored_bytes(root: nn.Module, plan: Plan, esize: int) -> Callable[[nn.Parameter], int]:
-    """Bytes of a parameter's shard on this rank: ``esize`` per element, or for a frozen
-    weight that the plan stores as int8/int4 (``plan.frozen_weight_bits``; engine/frozen.py's
-    candidates), its codes and fp32 block scales. ``stored.quantized`` holds the ids of
-    the latter."""
+def _stored_bytes(root: nn.Module, plan: Plan, esize: int) -> tuple[Callable[[nn.Parameter], int], set[int]]:
+    """``(stored, quantized)``: ``stored(p)``, the bytes of a parameter's shard on this rank
+    (``esize`` per element, or for a frozen weight that the plan stores as int8/int4,
+    ``plan.frozen_weight_bits``, engine/frozen.py's candidates, its codes and fp32 block
+    scales), and the ids of those quantized weights."""
     from zeropp_strategy.engine.frozen import code_bytes_per_row, frozen_int8_candidates
 
     world = plan.world_size
@@ -236,8 +236,7 @@ def _stored_bytes(root: nn.Module, plan: Plan, esize: int) -> Callable[[nn.Param
         scales = math.ceil(cols / plan.weight_block_elems)
         return rows * (code_bytes_per_row(cols, plan.frozen_weight_bits) + 4 * scales)
 
-    stored.quantized = quantized  # type: ignore[attr-defined]
-    return stored
+    return stored, quantized
 
 
 def _shard_elems(params: Iterable[nn.Parameter], world: int) -> int:
@@ -267,7 +266,7 @@ def plan_memory(root: nn.Module, blocks: list[nn.Module], plan: Plan, *, ranks_p
     in_blocks = {id(p) for ps in block_params for p in ps} | {id(p) for leaf in leaves for p in leaf.parameters()}
     root_params = [p for p in params if id(p) not in in_blocks]
     esize = max((p.element_size() for p in params), default=4)
-    stored = _stored_bytes(root, plan, esize)
+    stored, quantized = _stored_bytes(root, plan, esize)
     shard = sum(stored(p) for p in params)
     trainable_shard = _shard_elems([p for p in params if p.requires_grad], n) * esize
     block_full = max((_elems(ps) for ps in block_params), default=0)
@@ -277,7 +276,7 @@ def plan_memory(root: nn.Module, blocks: list[nn.Module], plan: Plan, *, ranks_p
     # dequantized from them until it is resharded, and FSDP2's flat all-gather buffer holds
     # one group's codes again until the next group's gather
     def codes(ps: Iterable[nn.Parameter]) -> int:
-        return sum(stored(p) for p in ps if id(p) in stored.quantized)
+        return sum(stored(p) for p in ps if id(p) in quantized)
 
     block_codes = max((codes(ps) for ps in block_params), default=0)
     leaf_codes = max((codes(leaf.parameters()) for leaf in leaves), default=0)

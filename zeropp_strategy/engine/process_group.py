@@ -99,11 +99,14 @@ def destroy_at_exit() -> None:
        meshes') and the default one, shut down in torch's own order (reverse creation).
        After an uncaught exception under NCCL this is skipped: its shutdown may wait
        for peers that are gone (the trap torchtitan met); gloo's is local;
-    4. ``release_destroyed_groups``: destroyed groups whose C++ objects torch still
-       references (DTensor's sharding cache holds meshes, a mesh holds its groups) are let
-       go, and a garbage collection frees them now, joining their gloo threads; before
-       this step one gloo group's threads were still running after the hook at the end
-       of every stage-3 fit (FSDP2's own runs under Lightning keep two).
+    4. ``release_destroyed_groups`` (not after an uncaught exception): destroyed groups
+       whose C++ objects only torch still references (DTensor's sharding cache holds
+       meshes, a mesh holds its groups) are let go, and a garbage collection frees them
+       now, joining their gloo threads; before this step one gloo group's threads were
+       still running after the hook at the end of every stage-3 fit whose Trainer was
+       gone (FSDP2's own runs under Lightning keep two). A Trainer still referenced at
+       exit (a module-level ``trainer``) keeps its groups, and their idle threads, until
+       the interpreter frees it.
     Local only: by exit every collective is done. Registered by ``ZeroSession.start``,
     which runs after whatever created the default group, so it runs before the exit
     hooks of the code that started the session (atexit runs the last registered first).
@@ -128,11 +131,13 @@ def _orderly_exit() -> None:
         watchdog = current()
         if watchdog is not None:
             watchdog.stop()
+        failed = getattr(sys, "last_value", None) is not None
         if dist.is_available() and dist.is_initialized():
-            failed = getattr(sys, "last_value", None) is not None
             if not (failed and dist.get_backend() == "nccl"):
                 dist.destroy_process_group()
-        if dist.is_available() and not dist.is_initialized():  # ours, or the launcher's own destroy
+        # ours, or the launcher's own destroy; not after a failure, where freeing a group joins
+        # its gloo workers, and one waiting on a dead peer would hold the exit until its timeout
+        if dist.is_available() and not dist.is_initialized() and not failed:
             release_destroyed_groups()
         gc.collect()
     except Exception:  # noqa: BLE001 - best effort at exit; never mask the real exit status

@@ -273,20 +273,23 @@ class ShardedOptimizer(WrappingOptimizer):
         """The trainable row-sharded parameters in optimizer order, cut into buckets of one
         dtype and device, sized as [Note: stage-1 asynchronous gather] says. A bucket is a
         list of ``(slot, r0, r1)``: rows ``r0:r1`` of each rank's ``chunk_rows``. Gathered
-        one at a time (no overlap), a parameter larger than ``GATHER_WINDOW_BYTES`` is cut
-        into pieces of rows, so that no bucket is larger; otherwise whole parameters."""
+        one at a time (no overlap) from host memory, a parameter larger than
+        ``GATHER_WINDOW_BYTES`` is cut into pieces of rows (a single row larger than that
+        is a bucket of its own); otherwise whole parameters."""
         slots = [s for s in self._slots if s.chunk_rows and s.param.requires_grad]
         limit = self.allgather_bucket_bytes
+        # one bucket at a time through one workspace: host memory only (the C heap's problem)
+        split = not self.overlap_param_gather and bool(slots) and slots[0].param.device.type == "cpu"
         if self.overlap_param_gather:  # small enough that the first blocks' rows arrive first
             total = sum(s.chunk_rows * s.param[0].numel() * s.param.element_size() * self._world for s in slots)
             limit = min(limit, max(OVERLAP_MIN_BUCKET_BYTES, math.ceil(total / OVERLAP_BUCKETS)))
-        else:  # one bucket at a time in one workspace: its size is the buffers' size
+        elif split:
             limit = min(limit, GATHER_WINDOW_BYTES)
         buckets: list[list[tuple[_Slot, int, int]]] = []
         size = 0
         for s in slots:
             row_bytes = s.param[0].numel() * s.param.element_size() * self._world  # one row of every rank
-            step = s.chunk_rows if self.overlap_param_gather else max(1, limit // row_bytes)
+            step = max(1, limit // row_bytes) if split else s.chunk_rows
             for r0 in range(0, s.chunk_rows, step):
                 r1 = min(r0 + step, s.chunk_rows)
                 nbytes = (r1 - r0) * row_bytes
@@ -305,8 +308,9 @@ class ShardedOptimizer(WrappingOptimizer):
             return
         buckets = self._buckets()
         if not self.overlap_param_gather:  # every reader sees the updated weights once step() returns
-            for b in buckets:
-                self._gather_bucket(b, self._work).wait()
+            for b in buckets:  # one at a time through one workspace; a failed one stays pending (raised again)
+                self._in_flight.start([[s.param for s, _, _ in b]], [self._gather_bucket(b, self._work)])
+                self._in_flight.wait()
             return
         works = [self._gather_bucket(b, fresh) for b in buckets]  # in flight together: buffers of their own
         self._in_flight.start([[s.param for s, _, _ in b] for b in buckets], works)

@@ -10,7 +10,7 @@ Per bucket (a flat buffer of whole gradients, in DDP's order):
 2. lay the bucket out rank-major: for each rank r, the rows r owns of every gradient in
    the bucket, each padded to the rows every rank contributes (``chunk_rows``), so that
    every rank's chunk has the same C elements. (N, C), in the wire dtype, built and sent
-   a window of columns at a time (``REDUCE_WINDOW_BYTES``);
+   a window of columns at a time on the host (``REDUCE_WINDOW_BYTES``);
 3. reduce-scatter each window (comm/hierarchical.py: all-to-all plus a local sum on gloo,
    two hops across nodes), on the comm thread ([Note: comm thread]); write this rank's
    reduced elements back into its rows of the bucket; all-reduce the 0-dim gradients whole.
@@ -125,12 +125,15 @@ class PartitionedReduce:
     def reduce(self, buffer: torch.Tensor, layout: _Layout) -> torch.Tensor:
         """Runs on the comm thread: the bucket's rows reduced in place (see module docstring),
         in windows of columns of the (world, chunk) layout, each its own reduce-scatter of
-        at most ``REDUCE_WINDOW_BYTES``, so that the temporaries do not grow with the bucket
-        ([Note: communication temporaries in a workspace] in primitives.py)."""
+        at most ``REDUCE_WINDOW_BYTES`` on the host (one window on an accelerator), so that
+        the temporaries do not grow with the bucket ([Note: communication temporaries in a
+        workspace] in primitives.py)."""
         world, me = self.world, self.rank
         wire = self.wire_dtype or buffer.dtype
         if layout.chunk:
-            width = max(1, REDUCE_WINDOW_BYTES // (world * torch.empty(0, dtype=wire).element_size()))
+            # host buffers only: the CUDA caching allocator reuses its blocks, and NCCL reduces in place
+            width = max(1, REDUCE_WINDOW_BYTES // (world * torch.empty(0, dtype=wire).element_size())) \
+                if buffer.device.type == "cpu" else layout.chunk
             for w0 in range(0, layout.chunk, width):
                 w1 = min(w0 + width, layout.chunk)
                 n = w1 - w0
@@ -151,8 +154,9 @@ class PartitionedReduce:
 
 
 REDUCE_WINDOW_BYTES = 2 << 20
-"""Bytes of the (world, window) send buffer of one reduce-scatter of stage 1's reduce: a
-bucket of DDP's 25 MiB goes out as several, and the temporaries stay a few of these."""
+"""Bytes of the (world, window) send buffer of one reduce-scatter of stage 1's reduce of a
+host bucket: one of DDP's 25 MiB goes out as several, and the temporaries stay a few of
+these. Buckets in accelerator memory go out whole."""
 
 
 def _in_window(runs, w0: int, w1: int):  # noqa: ANN001, ANN202 - a _Layout.runs entry; yields slices
