@@ -69,7 +69,7 @@ def _worker(rank: int, world: int) -> dict:
     # windows far smaller than the model's buckets: stage 1 reduces and gathers every bucket
     # in many pieces, across gradient and padding boundaries, and must still be DDP's bits
     saved = stage1_reduce.REDUCE_WINDOW_BYTES, stage1.GATHER_WINDOW_BYTES
-    stage1_reduce.REDUCE_WINDOW_BYTES, stage1.GATHER_WINDOW_BYTES = 256, 512
+    stage1_reduce.REDUCE_WINDOW_BYTES, stage1.GATHER_WINDOW_BYTES = 8192, 16384
     try:
         _variants(world, out)
     finally:

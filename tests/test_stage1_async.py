@@ -4,7 +4,7 @@ stage-1 asynchronous gather]); without it (the default) ``step()`` returns with 
 Reference: plain DDP, same init, data and AdamW, stepped in lock-step with stage 1.
 
 - engine (4 gloo ranks as 2 simulated nodes x 2, so the gathers and the reduce take two
-  hops; small buckets, the reduce in 256-byte windows): after ``step()`` the gathers are pending and the other ranks' rows still hold
+  hops; small buckets, the reduce in 4 KiB windows): after ``step()`` the gathers are pending and the other ranks' rows still hold
   their old values; a module's forward waits for the buckets of its own parameters while
   a later bucket is still pending; ``state_dict`` right after a step holds the updated
   values; ``load_state_dict`` right after a step is not overwritten by the gathers
@@ -39,7 +39,7 @@ def _engine_worker(rank: int, world: int) -> dict:
     from zeropp_strategy.engine import stage1_reduce
 
     # the reduce in windows far smaller than its buckets, each a two-hop reduce-scatter
-    saved, stage1_reduce.REDUCE_WINDOW_BYTES = stage1_reduce.REDUCE_WINDOW_BYTES, 256
+    saved, stage1_reduce.REDUCE_WINDOW_BYTES = stage1_reduce.REDUCE_WINDOW_BYTES, 4096
     try:
         return _engine_run(rank, world)
     finally:
