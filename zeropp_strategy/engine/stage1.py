@@ -37,9 +37,9 @@ flag); a user who needs a whole averaged gradient at stage 1 must gather it (or 
 ``strategy="ddp"``). 0-dim parameters' gradients are all-reduced whole.
 
 [Note: stage-1 asynchronous gather]
-By default ``step()`` gathers the updated rows one bucket after another, each bucket at
-most ``GATHER_WINDOW_BYTES`` gathered (a larger parameter is cut into pieces of rows), all
-through one pair of reused buffers ([Note: communication temporaries in a workspace] in
+By default ``step()`` gathers the updated rows one bucket after another, each bucket in
+host memory at most ``GATHER_WINDOW_BYTES`` gathered (a larger parameter is cut into pieces
+of rows), all through one pair of reused buffers ([Note: communication temporaries in a workspace] in
 primitives.py), and returns when all are in: whoever reads a parameter after ``step()``
 reads the updated value, as with DDP. With ``overlap_param_gather=True`` it issues the
 all-gathers of every bucket, each with buffers of its own, and returns without waiting;
@@ -92,9 +92,10 @@ OVERLAP_MIN_BUCKET_BYTES = 2**20
 """...but no bucket below 1 MiB: each bucket is a collective (two across nodes) with its
 own fixed cost."""
 GATHER_WINDOW_BYTES = 4 * 2**20
-"""Without the overlap, the gathered bytes of one bucket at most (a larger parameter is cut
-into pieces of rows): the buckets go one after another through one workspace ([Note:
-communication temporaries in a workspace] in primitives.py), so this bounds it."""
+"""Without the overlap and in host memory, the gathered bytes of one bucket at most (a larger
+parameter is cut into pieces of rows; a single larger row is a bucket of its own): the
+buckets go one after another through one workspace ([Note: communication temporaries in a
+workspace] in primitives.py), so this bounds it."""
 
 
 def row_range(dim0: int, rank: int, world_size: int) -> tuple[int, int]:
