@@ -63,17 +63,16 @@ def _worker(rank: int, world: int) -> dict:
 
     import zeropp_strategy  # noqa: F401 - registers the strategy names
 
+    from unittest import mock
+
     from zeropp_strategy.engine import stage1, stage1_reduce
 
     out: dict = {"diff": {}, "grad_calls": {}, "memory": {}, "frozen": {}}
     # windows far smaller than the model's buckets: stage 1 reduces and gathers every bucket
     # in many pieces, across gradient and padding boundaries, and must still be DDP's bits
-    saved = stage1_reduce.REDUCE_WINDOW_BYTES, stage1.GATHER_WINDOW_BYTES
-    stage1_reduce.REDUCE_WINDOW_BYTES, stage1.GATHER_WINDOW_BYTES = 8192, 16384
-    try:
+    with mock.patch.object(stage1_reduce, "REDUCE_WINDOW_BYTES", 8192), \
+            mock.patch.object(stage1, "GATHER_WINDOW_BYTES", 16384):
         _variants(world, out)
-    finally:
-        stage1_reduce.REDUCE_WINDOW_BYTES, stage1.GATHER_WINDOW_BYTES = saved
     torch.distributed.barrier()
     return out
 

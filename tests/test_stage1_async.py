@@ -36,14 +36,13 @@ STEPS = 6
 
 
 def _engine_worker(rank: int, world: int) -> dict:
+    from unittest import mock
+
     from zeropp_strategy.engine import stage1_reduce
 
     # the reduce in windows far smaller than its buckets, each a two-hop reduce-scatter
-    saved, stage1_reduce.REDUCE_WINDOW_BYTES = stage1_reduce.REDUCE_WINDOW_BYTES, 4096
-    try:
+    with mock.patch.object(stage1_reduce, "REDUCE_WINDOW_BYTES", 4096):
         return _engine_run(rank, world)
-    finally:
-        stage1_reduce.REDUCE_WINDOW_BYTES = saved
 
 
 def _engine_run(rank: int, world: int) -> dict:

@@ -94,10 +94,6 @@ class Workspace:
             buf = self._buffers[key] = torch.empty(numel, dtype=dtype, device=device)
         return buf[:numel]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
-
 
 def follows_param(key: str, value: Any, param: torch.Tensor) -> bool:
     """Whether an optimizer state entry is laid out like its parameter (sharded with it).

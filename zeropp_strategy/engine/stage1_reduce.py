@@ -132,8 +132,8 @@ class PartitionedReduce:
         wire = self.wire_dtype or buffer.dtype
         if layout.chunk:
             # host buffers only: the CUDA caching allocator reuses its blocks, and NCCL reduces in place
-            width = max(1, REDUCE_WINDOW_BYTES // (world * torch.empty(0, dtype=wire).element_size())) \
-                if buffer.device.type == "cpu" else layout.chunk
+            width = max(1, REDUCE_WINDOW_BYTES // (world * wire.itemsize)) if buffer.device.type == "cpu" \
+                else layout.chunk
             for w0 in range(0, layout.chunk, width):
                 w1 = min(w0 + width, layout.chunk)
                 n = w1 - w0
@@ -168,9 +168,11 @@ def _in_window(runs, w0: int, w1: int):  # noqa: ANN001, ANN202 - a _Layout.runs
             continue
         if at >= w1:
             break
-        lo, hi = max(at, w0), max(min(at + b - a, w1), max(at, w0))
-        pad_lo, pad_hi = max(at + b - a, w0), min(at + c, w1)
-        yield slice(lo - w0, hi - w0), slice(a + lo - at, a + hi - at), slice(pad_lo - w0, max(pad_hi, pad_lo) - w0)
+        lo = max(at, w0)
+        hi = max(min(at + b - a, w1), lo)  # the rows in the window (empty if it holds only padding)
+        pad_lo = max(at + b - a, w0)
+        pad_hi = max(min(at + c, w1), pad_lo)
+        yield slice(lo - w0, hi - w0), slice(a + lo - at, a + hi - at), slice(pad_lo - w0, pad_hi - w0)
 
 
 def _gather_window(dst: torch.Tensor, buffer: torch.Tensor, runs, w0: int, w1: int) -> None:  # noqa: ANN001
