@@ -36,7 +36,12 @@ Measured per cell (rank 0 writes ``--out`` as JSON):
 - ledger bytes per step (ours only): the CommLedger's inter-node bytes summed over ranks,
   by collective kind, mean over the measured steps;
 - loss: mean of the last 3 steps' training loss (rank 0's micro-batch);
-- peak RSS of every rank (ru_maxrss).
+- peak RSS of every rank (ru_maxrss);
+- Lightning systems: every rank's model states after step ``STATES_STEP`` (storage bytes of
+  parameters, gradients and optimizer state, ``engine.memory.memory_stats``) and the
+  activations its first training forward saved for backward (``ActivationMeter``, the
+  memory plan's own meter); ours also the run's own plan (``session.estimates()``).
+  benchmarks/plan_accuracy.py sets these beside ``zeropp plan``'s figures.
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 LR, WEIGHT_DECAY = 5e-4, 0.01
+STATES_STEP = 1  # model states are read at the end of this step: a warm-up step, outside the timed ones
 SIZES = {"small": (4, 256), "medium": (8, 512), "large": (12, 768)}  # (layers, width): 3.3M, 25.5M, 85M params
 OURS = {
     "zeropp_stage_1": {"stage": 1},
@@ -140,6 +146,9 @@ class Meter:
         self.veth: list[int] = []
         self.ledger: list[dict[str, int]] = []
         self.losses: list[float] = []
+        self.model_states: dict[str, int] = {}  # Lightning systems: bytes this rank holds
+        self.activation_bytes: int | None = None
+        self.planned: dict | None = None  # ours: the run's own plan
 
     def veth_bytes(self) -> int:
         if self.stats is None:
@@ -169,7 +178,25 @@ class Meter:
             "loss": statistics.mean(self.losses[-3:]),
             "losses": self.losses,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "model_states": self.model_states,
+            "activation_bytes": self.activation_bytes,
         }
+
+    def read_model(self, trainer, pl_module, batch_idx: int) -> None:  # noqa: ANN001
+        """Model states after step STATES_STEP, and ours' own plan (once)."""
+        if batch_idx != STATES_STEP:
+            return
+        from zeropp_strategy.engine.memory import memory_stats
+
+        stats = memory_stats(pl_module, trainer.optimizers, stage=0, rank=trainer.global_rank,
+                             world_size=trainer.world_size)
+        self.model_states = {"parameters": stats.param_bytes, "gradients": stats.grad_bytes,
+                             "optimizer": stats.optimizer_bytes}
+        session = getattr(trainer.strategy, "session", None)
+        if session is not None:
+            (estimate,) = session.estimates().values()
+            self.planned = {"gpu": dict(estimate.gpu), "intra_bytes": estimate.intra_bytes,
+                            "inter_bytes": estimate.inter_bytes}
 
 
 # -- Lightning systems (ours, ddp, fsdp2) ---------------------------------------------------
@@ -214,8 +241,14 @@ def run_lightning(args: argparse.Namespace, meter: Meter) -> None:
             return loader(args.batch)
 
     class Record(Callback):
+        def on_train_start(self, trainer, pl_module):
+            from zeropp_strategy.engine.memory_plan import ActivationMeter
+
+            ActivationMeter(pl_module.model, lambda nbytes: setattr(meter, "activation_bytes", nbytes))
+
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             ledger = getattr(trainer.strategy, "comm_ledger", None)
+            meter.read_model(trainer, pl_module, batch_idx)
             meter.step_end(outputs["loss"].item(), ledger)
 
     nodes = int(os.environ.get("GROUP_WORLD_SIZE", os.environ.get("NNODES", "1")))
@@ -310,7 +343,8 @@ def main() -> None:
     result = meter.result(args.warmup)
     # Every rank's RSS and ledger bytes; the link carries the sum of what all ranks send.
     per_rank = [None] * dist.get_world_size()
-    dist.all_gather_object(per_rank, (result["peak_rss_bytes"], result["ledger_inter_bytes_per_step_by_kind"]))
+    dist.all_gather_object(per_rank, (result["peak_rss_bytes"], result["ledger_inter_bytes_per_step_by_kind"],
+                                      result.pop("model_states"), result.pop("activation_bytes")))
     rank = dist.get_rank()
     dist.barrier()
     dist.destroy_process_group()  # every system the same way: no gloo teardown at interpreter exit
@@ -323,8 +357,11 @@ def main() -> None:
         precision=args.precision,
         bf16_matmul=args.bf16_matmul,
         world_size=len(per_rank),
-        peak_rss_bytes_per_rank=[r for r, _ in per_rank],
+        peak_rss_bytes_per_rank=[p[0] for p in per_rank],
         ledger_inter_bytes_per_step_by_kind={k: sum(p[1][k] for p in per_rank) for k in kinds},
+        model_states_per_rank=[p[2] for p in per_rank],
+        activation_bytes_per_rank=[p[3] for p in per_rank],
+        planned=meter.planned,
     )
     result["ledger_inter_bytes_per_step"] = sum(result["ledger_inter_bytes_per_step_by_kind"].values()) if kinds else None
     del result["peak_rss_bytes"]

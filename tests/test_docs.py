@@ -821,6 +821,25 @@ def test_plan_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
     assert "| zeropp_stage_3 |" in out and out.strip().splitlines()[-1].startswith("recommended: zeropp")
 
 
+PLAN_CASES = {  # docs/plan.md: a command's fence -> the first line of the output the page shows
+    "zeropp plan llama3-8B --nodes 2": "zeropp plan: llama3-8B (shape)",
+    "zeropp plan llama-1B --nodes 1": "zeropp plan: llama-1B (shape)",
+    "zeropp plan llama3-70B --nodes 2": "zeropp plan: llama3-70B (shape)",
+}
+
+
+@covers(*(("docs/plan.md", command) for command in PLAN_CASES))
+@pytest.mark.parametrize("command", list(PLAN_CASES))
+def test_plan_cases_print_what_the_page_shows(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """The page's three `zeropp plan` cases (published shapes, no download) print exactly the
+    tables it shows: a change to the arithmetic must print them again."""
+    from zeropp_strategy.cli import main
+
+    argv = shlex.split(fence("docs/plan.md", command).body.replace("\\\n", " "))
+    assert argv[0] == "zeropp" and main(argv[1:]) == 0
+    assert capsys.readouterr().out.strip() == fence("docs/plan.md", PLAN_CASES[command]).body.strip()
+
+
 @covers(("docs/plan.md", "zeropp plan tiny --nodes 2 --gpus-per-node 8 --with stage=1,offload_optimizer=cpu --explain"))
 def test_plan_explain_example_prints_what_the_page_shows(capsys: pytest.CaptureFixture[str]) -> None:
     from zeropp_strategy.cli import main

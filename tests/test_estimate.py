@@ -153,6 +153,7 @@ def test_the_command_prints_the_table_and_json(capsys) -> None:
     (["tiny", "--mfu", "2"], "error: --mfu=2.0 is invalid. Fix: use a fraction in (0, 1]"),
     (["tiny", "--link", "0"], "error: --link='0' is not a bandwidth above 0. Fix: e.g. --link 100Gbit"),
     (["tiny", "--tflops", "0"], "error: --tflops=0.0 is invalid. Fix: use the GPU's dense bf16 TFLOP/s"),
+    (["tiny", "--overlap", "1.5"], "error: --overlap=1.5 is invalid. Fix: use a fraction in [0, 1]"),
     (["torch.nn:ReLU"], "error: MODEL='torch.nn:ReLU' has no parameters. Fix: name the model to train"),
 ])
 def test_bad_input_is_one_line_naming_the_field(argv, message, capsys) -> None:
@@ -279,3 +280,70 @@ def test_4bit_row_is_shown_and_never_recommended_on_its_own() -> None:
     assert four.inter_bytes < 0.8 * zpp.inter_bytes and four.step_s < zpp.step_s
     assert rows["_best"].name == "zeropp"
     assert "zeropp_4bit would be" in rows["_why"] and "not recommended on its own" in rows["_why"]
+
+
+@pytest.mark.compat  # fake tensors and autocast's op lists are torch's own: checked on each release
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_traced_activations_are_what_a_real_forward_saves(tmp_path, arch) -> None:
+    """The trace on fake tensors against the memory plan's ActivationMeter on a real forward
+    of the same model under bf16 autocast: with fp32 parameters (DDP, stage 1) and with
+    16-bit ones (stages 2/3's gathers), byte for byte; and what each row of the table uses."""
+    import torch
+    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
+
+    from zeropp_strategy.engine.memory_plan import ActivationMeter
+    from zeropp_strategy.estimate import trace_activations, with_traced_activations
+
+    if arch == "gpt2":  # elementwise gelu_new, dropout on: its masks are saved too
+        config = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=96, n_positions=32)
+    else:
+        config = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=96, tie_word_embeddings=False)
+    config.save_pretrained(tmp_path)
+    work = Workload(micro_batch=2, seq_len=16)
+    ids = torch.randint(0, 96, (2, 16))
+    measured = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype).train()
+        seen: list[int] = []
+        ActivationMeter(model, seen.append)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(input_ids=ids, labels=ids)
+        (measured[dtype],) = seen
+    fp32, bf16 = trace_activations(str(tmp_path), work), trace_activations(str(tmp_path), work, params_16bit=True)
+    assert fp32.root + fp32.blocks == measured[torch.float32]
+    assert bf16.root + bf16.blocks == measured[torch.bfloat16] < measured[torch.float32]  # no weight copies
+    assert 0 < fp32.largest_block < fp32.blocks and fp32.block_inputs > 0
+    assert torch.empty(0).device.type == "cpu" and torch.get_default_dtype() == torch.float32  # left alone
+
+    shape = with_traced_activations(model_shape(str(tmp_path)), str(tmp_path), work)
+    cluster = Cluster(nodes=2, gpus_per_node=2, gpu_memory=0, host_memory=0, link=1e9, intra_link=1e10)
+    rows = {r.name: r for r in estimate(shape, cluster, work)[0]}
+    assert rows["ddp"].gpu["activations"] == rows["zeropp_stage_1"].gpu["activations"] == fp32.root + fp32.blocks
+    assert rows["zeropp_stage_3"].gpu["activations"] == rows["zeropp"].gpu["activations"] == bf16.root + bf16.blocks
+    from zeropp_strategy.plan import activations
+
+    checkpointed = dataclasses.replace(work, activation_checkpointing=True)
+    assert activations(shape, checkpointed, params_16bit=True) == bf16.root + bf16.block_inputs + bf16.largest_block
+    other = Workload(micro_batch=4, seq_len=16)  # a trace is for its own micro-batch: else the formula
+    assert activations(shape, other) == activations(dataclasses.replace(shape, activation_trace=None), other)
+
+
+def test_a_model_that_cannot_be_traced_gets_the_formula_and_the_table_says_so(capsys) -> None:
+    from zeropp_strategy.estimate import main
+
+    assert main(["tests._models:Net", "--nodes", "1", "--gpus-per-node", "2", "--micro-batch", "1",
+                 "--seq-len", "8"]) == 0
+    assert "activations: 34 s b h per layer (not traced: module:Class inputs are unknown)" in capsys.readouterr().out
+
+
+def test_overlap_moves_the_step_from_the_larger_of_compute_and_link_to_their_sum() -> None:
+    """``Cluster.overlap``: 1 hides the link behind compute but for one block's share (GPUs),
+    0 adds them (gloo on CPUs, as benchmarks/plan_accuracy.py measured)."""
+    shape = _shape(1e9, root=1e8, blocks=10)
+    rows = {o: _rows(shape, nodes=2, gpus_per_node=8, link=1e9, overlap=o)["zeropp_stage_3"] for o in (1.0, 0.0, 0.5)}
+    c, link = rows[1.0].compute_s, rows[1.0].comm_s
+    assert c > 0 and link > 0
+    assert rows[1.0].step_s == pytest.approx(max(c, link) + link / 10)
+    assert rows[0.0].step_s == pytest.approx(c + link)
+    assert rows[0.5].step_s == pytest.approx((rows[1.0].step_s + rows[0.0].step_s) / 2)

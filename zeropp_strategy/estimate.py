@@ -16,16 +16,17 @@ from __future__ import annotations
 import argparse
 import json
 import re
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from zeropp_strategy.config import ZeroConfig
-from zeropp_strategy.plan import ByteModel, Cluster, ConfigEstimate, ModelShape, Workload, cost, leaf_counts, resolve
+from zeropp_strategy.plan import (ActivationTrace, ByteModel, Cluster, ConfigEstimate, ModelShape, Workload, cost,
+                                   leaf_counts, resolve)
 from zeropp_strategy.presets import PRESETS
 from zeropp_strategy.topology import Topology
 
-__all__ = ["Cluster", "ConfigEstimate", "ModelShape", "Workload", "estimate", "main", "model_shape", "parse_bandwidth",
-           "parse_bytes"]
+__all__ = ["ActivationTrace", "Cluster", "ConfigEstimate", "ModelShape", "Workload", "estimate", "main", "model_shape",
+           "parse_bandwidth", "parse_bytes", "SHAPES", "trace_activations", "with_traced_activations"]
 
 _RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgtp]?)(i?)(b|bit|bps)?(/s)?\s*$", re.IGNORECASE)
 _UNIT = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
@@ -74,26 +75,122 @@ def _meta_model(spec: str) -> tuple[Any, str]:
                              "a class that builds with no arguments.") from None
         with torch.device("meta"):
             return cls(), cls_name
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    if spec in ("tiny", "embedded"):
-        from zeropp_strategy.rlhf.models import _config, tiny_llama_config
-
-        config, name = _config(tiny_llama_config()), "the embedded tiny Llama"
-    else:
-        path = Path(spec)
-        folder = path.parent if path.name == "config.json" else path
-        if not (folder / "config.json").is_file():
-            raise ValueError(f"MODEL={spec!r} has no config.json. Fix: a Hugging Face folder, its config.json, "
-                             "'tiny' (the embedded default) or module:Class.")
-        config, name = AutoConfig.from_pretrained(str(folder)), folder.name
+    config, name = _hf_config(spec)
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config), name
 
 
+# Shapes of published models, by name, for sizing a cluster without a download: Llama
+# configs (untied embeddings; the weights do not matter to a plan).
+SHAPES: dict[str, dict[str, int]] = {
+    "llama-1B": {"hidden_size": 2048, "num_hidden_layers": 16, "intermediate_size": 5632, "num_attention_heads": 16,
+                 "num_key_value_heads": 16, "vocab_size": 32000},  # TinyLlama's width, 16 layers
+    "llama3-8B": {"hidden_size": 4096, "num_hidden_layers": 32, "intermediate_size": 14336, "num_attention_heads": 32,
+                  "num_key_value_heads": 8, "vocab_size": 128256},
+    "llama3-70B": {"hidden_size": 8192, "num_hidden_layers": 80, "intermediate_size": 28672,
+                   "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256},
+}
+
+
+def _hf_config(spec: str) -> tuple[Any, str]:
+    """The Hugging Face config of MODEL (a folder, its config.json, ``tiny`` or a name in
+    ``SHAPES``) and its name."""
+    from pathlib import Path
+
+    from transformers import AutoConfig, LlamaConfig
+
+    if spec in ("tiny", "embedded"):
+        from zeropp_strategy.rlhf.models import _config, tiny_llama_config
+
+        return _config(tiny_llama_config()), "the embedded tiny Llama"
+    if spec in SHAPES:
+        return LlamaConfig(**SHAPES[spec], tie_word_embeddings=False), f"{spec} (shape)"
+    path = Path(spec)
+    folder = path.parent if path.name == "config.json" else path
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"MODEL={spec!r} has no config.json. Fix: a Hugging Face folder, its config.json, "
+                         f"'tiny' (the embedded default), a shape ({', '.join(SHAPES)}) or module:Class.")
+    return AutoConfig.from_pretrained(str(folder)), folder.name
+
+
+def trace_activations(spec: str, workload: Workload, *, params_16bit: bool = False) -> ActivationTrace | None:
+    """What one training forward of MODEL (a folder, a config.json, ``tiny`` or a name in
+    ``SHAPES``: a Hugging Face causal LM) saves for backward at ``workload``'s micro-batch and length, under bf16
+    autocast with fp32 parameters (DDP, stage 1) or 16-bit ones (``params_16bit``: stages
+    2/3's gathers), counted on fake tensors (no memory, no compute) the way
+    ``ActivationMeter`` counts a real run: each storage once, parameters and views of them
+    left out. None for ``module:Class`` (its inputs are unknown)."""
+    from pathlib import Path
+
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from transformers import AutoModelForCausalLM
+
+    from zeropp_strategy.engine.wrap import select_blocks
+
+    if ":" in spec and not Path(spec).exists():
+        return None
+    config, _ = _hf_config(spec)
+    with FakeTensorMode(allow_non_fake_inputs=True), torch.device("cpu"):
+        # dtype always given: from_config would take the config's own (bf16 for most published models)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if params_16bit else torch.float32)
+        model.train()
+        blocks = select_blocks(model, wrap_modules=(), wrap_min_params=ZeroConfig().wrap_min_params)
+        seen: set[Any] = set()
+        current: list[int] = []  # the block running, if any
+        per_block = [0] * len(blocks)
+        counts = {"root": 0, "inputs": 0}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            base = t._base if t._base is not None else t
+            key = StorageWeakRef(t.untyped_storage())
+            if isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad) or key in seen:
+                return t
+            seen.add(key)
+            if current:
+                per_block[current[-1]] += t.untyped_storage().nbytes()
+            else:
+                counts["root"] += t.untyped_storage().nbytes()
+            return t
+
+        def enter(index: int) -> Any:
+            def hook(module: Any, args: tuple, kwargs: dict) -> None:
+                current.append(index)
+                first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+                counts["inputs"] += first.untyped_storage().nbytes() if first is not None else 0
+            return hook
+
+        def leave(module: Any, args: tuple, output: Any) -> None:
+            current.pop()
+
+        for index, block in enumerate(blocks):
+            block.register_forward_pre_hook(enter(index), with_kwargs=True)
+            block.register_forward_hook(leave)
+        ids = torch.zeros((workload.micro_batch, workload.seq_len), dtype=torch.long)
+        with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(input_ids=ids, labels=ids)
+    return ActivationTrace(micro_batch=workload.micro_batch, seq_len=workload.seq_len, root=counts["root"],
+                           blocks=sum(per_block), largest_block=max(per_block, default=0),
+                           block_inputs=counts["inputs"])
+
+
+def with_traced_activations(shape: ModelShape, spec: str, workload: Workload) -> ModelShape:
+    """``shape`` with MODEL's activations traced for ``workload`` (both traces), or as it was
+    when MODEL cannot be traced: an estimate never stops, the formula stands in and the
+    table says so."""
+    try:
+        return replace(shape, activation_trace=trace_activations(spec, workload),
+                       activation_trace_16bit=trace_activations(spec, workload, params_16bit=True))
+    except Exception as err:  # noqa: BLE001 - a model fake tensors cannot run: the formula stands in
+        return replace(shape, untraced=f"{type(err).__name__}: {str(err).splitlines()[0][:200]}")
+
+
 def model_shape(spec: str, *, lora: int = 0) -> ModelShape:
-    """The shape of MODEL (a folder, a config.json, ``tiny`` or ``module:Class``), built on the
-    meta device; ``lora``: rank of LoRA adapters on every linear layer inside the blocks
+    """The shape of MODEL (a folder, a config.json, ``tiny``, a name in ``SHAPES`` or
+    ``module:Class``), built on the meta device; ``lora``: rank of LoRA adapters on every linear layer inside the blocks
     (then only those train)."""
     from torch import nn
 
@@ -214,6 +311,9 @@ def table(m: ModelShape, c: Cluster, w: Workload, rows: list[ConfigEstimate], be
              f"{m.blocks} blocks; {c.nodes} node(s) x {c.gpus_per_node} GPU(s), {_gib(c.gpu_memory)} GiB each, "
              f"link {c.link * 8 / 1e9:g} Gbit/s per node; micro-batch {w.micro_batch} x {w.seq_len} tokens, "
              f"bf16-mixed, AdamW, {c.tflops:g} TFLOP/s at {c.mfu:.0%} MFU",
+             "activations: " + ("traced (one training forward on fake tensors, bf16 autocast)"
+                                if m.activation_trace is not None else
+                                f"34 s b h per layer (not traced: {m.untraced or 'module:Class inputs are unknown'})"),
              "",
              "| config | GPU GiB | of it: params / grads / optim / gathered / activations | host GiB per rank "
              "| MB in node | MB across nodes | step s (compute, link, offload) | fits |",
@@ -241,8 +341,9 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
     p = ArgumentParser(prog=prog, description="Memory, bytes and time per config for MODEL on a cluster, "
                        "and the config to use (estimates: see docs/plan.md).")
     p.add_argument("model", metavar="MODEL", nargs="?",
-                   help="a Hugging Face folder or its config.json, 'tiny' (the embedded "
-                   "default), or module:Class (built with no arguments, on the meta device)")
+                   help="a Hugging Face folder or its config.json, 'tiny' (the embedded default), a published "
+                   f"model's shape ({', '.join(SHAPES)}), or module:Class (built with no arguments, on the meta "
+                   "device)")
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--gpu-memory", default="80GiB", help="per GPU, e.g. 80GiB (an H100 80GB) or 141GB")
@@ -257,6 +358,9 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
                    "(the base frozen); 0 = full training")
     p.add_argument("--tflops", type=float, default=989.0, help="dense bf16 TFLOP/s per GPU (H100 SXM: 989)")
     p.add_argument("--mfu", type=float, default=0.4, help="the fraction of it compute reaches")
+    p.add_argument("--overlap", type=float, default=1.0,
+                   help="the share of the link time that hides behind compute: 1 for GPUs (NCCL's own streams), "
+                   "0 for gloo on CPUs (communication takes the cores compute needs)")
     p.add_argument("--with", dest="extra", action="append", default=[], metavar="FIELD=VALUE,...",
                    help="one more row: ZeroConfig fields, e.g. --with stage=1,offload_optimizer=cpu (repeatable)")
     p.add_argument("--explain", nargs="?", const="", default=None, metavar="CONFIG",
@@ -331,6 +435,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             raise UsageError(f"--{name.replace('_', '-')}={getattr(args, name)} is invalid", "use 1 or more")
     if not 0 < args.mfu <= 1:
         raise UsageError(f"--mfu={args.mfu} is invalid", "use a fraction in (0, 1], e.g. 0.4")
+    if not 0 <= args.overlap <= 1:
+        raise UsageError(f"--overlap={args.overlap} is invalid", "use a fraction in [0, 1]: 1 for GPUs, 0 for gloo on CPUs")
     if not args.tflops > 0:
         raise UsageError(f"--tflops={args.tflops} is invalid", "use the GPU's dense bf16 TFLOP/s, e.g. 989")
     if args.lora < 0:
@@ -341,13 +447,14 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                           host_memory=parse_bytes(args.host_memory, "--host-memory"),
                           link=parse_bandwidth(args.link, "--link"),
                           intra_link=parse_bandwidth(args.intra_link, "--intra-link"),
-                          tflops=args.tflops, mfu=args.mfu, nvme=args.nvme)
+                          tflops=args.tflops, mfu=args.mfu, nvme=args.nvme, overlap=args.overlap)
         shape = model_shape(args.model, lora=args.lora)
     except ValueError as e:
         what, _, fix = str(e).partition(" Fix: ")
         raise UsageError(what.rstrip("."), fix.rstrip(".") or "see zeropp plan --help") from None
     work = Workload(micro_batch=args.micro_batch, seq_len=args.seq_len,
                     activation_checkpointing=args.activation_checkpointing)
+    shape = with_traced_activations(shape, args.model, work)
     extra = dict(_extra_row(text, cluster) for text in args.extra)
     rows, best, why = estimate(shape, cluster, work, extra)
     if args.explain:  # a row's name is checked under --json too

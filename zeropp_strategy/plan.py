@@ -23,7 +23,8 @@ plan at its start (``ZeroSession.explain``).
 
 [Note: the estimate]
 ``cost`` is arithmetic on the model's shape (for ``zeropp plan`` read from a meta-device
-build, so a 70B model costs a second; for a run, from its prepared modules): the parameter count ``P``,
+build, so a 70B model costs seconds, its activations traced on fake tensors; for a run, from
+its prepared modules): the parameter count ``P``,
 the trainable count ``T`` (``P``, or the LoRA adapters with ``--lora R``), the parameters
 outside the repeated blocks (``P_root``: embeddings, head, final norm) and the largest
 block. The formulas are the ones docs/stages.md and docs/zeropp.md derive and the ledger
@@ -37,10 +38,15 @@ of ``L`` GPUs, ``N = M L`` ranks.
   the gathered working set of stages 2/3 (stage 2: every group, from its forward to its
   backward; stage 3: the root group and the two largest blocks, the one computing and the
   one prefetched); hpZ's secondary shard ``c P / L``; one bucket or one group of unsharded
-  gradients; activations from the micro-batch (``34 s b h`` bytes per layer as Korthikanti
-  et al. count for 16-bit activations without the attention matrix, which SDPA does not
-  store; ``2 s b h`` per layer with activation checkpointing; plus ``6 s b V`` for the
-  logits and their fp32 loss); ``RUNTIME_GPU_BYTES`` for the CUDA context and allocator.
+  gradients; activations from the micro-batch: traced when the model can be (``zeropp
+  plan`` runs one training forward of the model on fake tensors under bf16 autocast and
+  counts what autograd saves for backward, as the memory plan's ``ActivationMeter``
+  measures a real run: ``ActivationTrace``), else ``34 s b h`` bytes per layer as
+  Korthikanti et al. count for 16-bit activations without the attention matrix, which
+  SDPA does not store (``2 s b h`` per layer with activation checkpointing; plus ``6 s b
+  V`` for the logits and their fp32 loss). The formula assumes a fused GeLU and 16-bit
+  everything: GPT-2's elementwise ``gelu_new`` and its fp32 residual stream saved 1.7x it
+  (benchmarks/plan_accuracy.py). ``RUNTIME_GPU_BYTES`` for the CUDA context and allocator.
   Offloaded state moves to the host column (NVMe: to the disk column, with the in-flight
   buffers in host memory).
 - **Bytes per step per rank**, as the ledger books them: the collectives of each stage on
@@ -57,7 +63,9 @@ of ``L`` GPUs, ``N = M L`` ranks.
   (``4 P + 2 T`` with frozen weights: the input gradients still pass every layer), plus the
   communication not hidden behind it: the larger of compute and link time, plus one
   block's share of the link time (the first gather and the last reduce have nothing to
-  overlap with). A node's cross-node bytes share its link (``--link`` per node), a GPU's
+  overlap with); with ``Cluster.overlap`` below 1 (``--overlap``: gloo on CPUs, where
+  communication takes the cores compute needs) that share of the step moves toward
+  compute + link. A node's cross-node bytes share its link (``--link`` per node), a GPU's
   intra-node bytes its ``--intra-link``. Offloaded optimizer state adds the host step and
   the PCIe copies (``HOST_BYTES_PER_S``, ``PCIE_BYTES_PER_S``), not overlapped.
 
@@ -87,6 +95,7 @@ __all__ = [
     "ShardingPolicy",
     "Workload",
     "ZeroPPPolicy",
+    "ActivationTrace",
     "activations",
     "cost",
     "explain",
@@ -400,6 +409,22 @@ _AS_CONFIGURED = {
 # -- what a plan costs ([Note: the estimate] above) -------------------------------------------
 
 @dataclass(frozen=True)
+class ActivationTrace:
+    """What one micro-batch's training forward saves for backward, in bytes, traced without
+    memory (``estimate.trace_activations``: fake tensors, bf16 autocast, the parameters in
+    fp32 or in 16 bits): outside the blocks (embeddings, final norm, logits and loss), in
+    all blocks, in the largest one, and the blocks' inputs (what activation checkpointing
+    keeps of them)."""
+
+    micro_batch: int
+    seq_len: int
+    root: int
+    blocks: int
+    largest_block: int
+    block_inputs: int
+
+
+@dataclass(frozen=True)
 class ModelShape:
     """What the estimate needs of a model: counts of elements (global, not per shard)."""
 
@@ -419,6 +444,12 @@ class ModelShape:
     largest_leaf: int = 0
     leaf_params: int = 0  # all the leaves
     leaf_backward: int = 0  # the leaves gathered again in backward
+    # Traced activations, used for a workload of their micro-batch and length: the forward
+    # computing with fp32 parameters (DDP, stage 1: autocast's 16-bit copies of the weights
+    # and an fp32 residual stream included) and with 16-bit gathered ones (stages 2/3).
+    activation_trace: ActivationTrace | None = None
+    activation_trace_16bit: ActivationTrace | None = None
+    untraced: str = ""  # why a trace was tried and failed
 
     @property
     def frozen(self) -> int:
@@ -445,6 +476,10 @@ class Cluster:
     tflops: float = 989.0  # dense bf16 per GPU (H100 SXM)
     mfu: float = 0.4
     nvme: str | None = None
+    # The share of the link time that can hide behind compute: 1 where communication runs
+    # beside it (NCCL on its own CUDA streams), 0 where it takes the same cores (gloo on a
+    # CPU: benchmarks/plan_accuracy.py measured compute + link there).
+    overlap: float = 1.0
 
     @property
     def world(self) -> int:
@@ -529,9 +564,15 @@ class ByteModel:
                    qg_inside=plan.gradient_bits_inside / 8 + 4 / block)
 
 
-def activations(model: ModelShape, workload: Workload) -> float:
-    """Activation bytes of one micro-batch ([Note: the estimate])."""
+def activations(model: ModelShape, workload: Workload, *, params_16bit: bool = False) -> float:
+    """Activation bytes of one micro-batch ([Note: the estimate]): the model's trace for a
+    forward with 16-bit (``params_16bit``) or fp32 parameters when it was traced for this
+    micro-batch and length, else the formula."""
     m, w = model, workload
+    t = m.activation_trace_16bit if params_16bit else m.activation_trace
+    if t is not None and (t.micro_batch, t.seq_len) == (w.micro_batch, w.seq_len):
+        # checkpointed: every block's input, and one block's activations while it is recomputed
+        return t.root + (t.block_inputs + t.largest_block if w.activation_checkpointing else t.blocks)
     sbh = w.seq_len * w.micro_batch * m.hidden
     per_layer = 2 * sbh if w.activation_checkpointing else 34 * sbh
     extra = 34 * sbh if w.activation_checkpointing else 0  # one block recomputed at a time
@@ -590,7 +631,8 @@ def cost(name: str, plan: Plan | None, model: ModelShape, cluster: Cluster, work
             e.disk += shard * L
             e.host["parameter_buffers"] = C * 4 * m.largest_block
     if w is not None:
-        e.gpu["activations"] = activations(m, w)
+        # stages 2/3 compute with the gathered parameters: 16-bit ones under mixed precision
+        e.gpu["activations"] = activations(m, w, params_16bit=stage >= 2 and C < A)
     e.gpu["runtime"] = RUNTIME_GPU_BYTES
     e.host["runtime"] = RUNTIME_HOST_BYTES
     # -- bytes per step per rank, as the ledger books them ([Note: two-hop collectives]) --------
@@ -641,7 +683,8 @@ def cost(name: str, plan: Plan | None, model: ModelShape, cluster: Cluster, work
         e.offload_s = e.host.get("optimizer", 0.0) / HOST_BYTES_PER_S + 2 * moved / PCIE_BYTES_PER_S
         if e.disk:
             e.offload_s += 2 * e.disk / NVME_BYTES_PER_S
-    e.step_s = max(e.compute_s, link_s) + link_s / max(m.blocks, 1) + e.offload_s
+    hidden = max(e.compute_s, link_s) + link_s / max(m.blocks, 1)
+    e.step_s = c.overlap * hidden + (1 - c.overlap) * (e.compute_s + link_s) + e.offload_s
     # -- fits? ---------------------------------------------------------------------------------
     problems = []
     if c.gpu_memory and e.gpu_total > GPU_HEADROOM * c.gpu_memory:
