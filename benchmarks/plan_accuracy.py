@@ -69,7 +69,9 @@ def run(args: argparse.Namespace) -> dict:
         "warmup": args.warmup, "batch": args.batch, "bf16_matmul": args.bf16_matmul}
     memory: dict[str, dict] = {}
     with SimCluster(rate="unlimited") as cluster:
-        short = argparse.Namespace(**{**vars(args), "bf16_matmul": "native", "steps": 2, "warmup": 0})
+        # at the batch the timed cells ran with (render plans at meta's batch)
+        short = argparse.Namespace(**{**vars(args), "bf16_matmul": "native", "steps": 2, "warmup": 0,
+                                      "batch": meta["batch"]})
         for system in MEMORY:
             memory[system] = run_cell(cluster, system, short)
             print(f"memory/{system}: " + ("done" if "step_s" in memory[system] else memory[system].get("error")),
@@ -178,7 +180,7 @@ def render(data: dict) -> str:
         else:
             inter = "not measured"
         cell = mem.get(system, {})
-        if "model_states_per_rank" in cell:
+        if "model_states_per_rank" in cell and None not in cell["activation_bytes_per_rank"]:
             states = max(sum(r.values()) for r in cell["model_states_per_rank"])
             acts = max(cell["activation_bytes_per_rank"])
             memory_text = (f"{states / MiB:.2f} / {p['model_states'] / MiB:.2f} ({p['model_states'] / states:.3f}) | "

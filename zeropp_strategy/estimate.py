@@ -82,11 +82,12 @@ def _meta_model(spec: str) -> tuple[Any, str]:
         return AutoModelForCausalLM.from_config(config), name
 
 
-# Shapes of published models, by name, for sizing a cluster without a download: Llama
-# configs (untied embeddings; the weights do not matter to a plan).
+# Model shapes by name, for sizing a cluster without a download: Llama configs (untied
+# embeddings; the weights do not matter to a plan): Llama-3's 8B and 70B, and a 1B
+# Llama-style shape (TinyLlama's widths, 16 layers of 16 heads).
 SHAPES: dict[str, dict[str, int]] = {
     "llama-1B": {"hidden_size": 2048, "num_hidden_layers": 16, "intermediate_size": 5632, "num_attention_heads": 16,
-                 "num_key_value_heads": 16, "vocab_size": 32000},  # TinyLlama's width, 16 layers
+                 "num_key_value_heads": 16, "vocab_size": 32000},  # a 1B Llama-style shape (TinyLlama's widths)
     "llama3-8B": {"hidden_size": 4096, "num_hidden_layers": 32, "intermediate_size": 14336, "num_attention_heads": 32,
                   "num_key_value_heads": 8, "vocab_size": 128256},
     "llama3-70B": {"hidden_size": 8192, "num_hidden_layers": 80, "intermediate_size": 28672,
@@ -105,14 +106,24 @@ def _hf_config(spec: str) -> tuple[Any, str]:
         from zeropp_strategy.rlhf.models import _config, tiny_llama_config
 
         return _config(tiny_llama_config()), "the embedded tiny Llama"
-    if spec in SHAPES:
-        return LlamaConfig(**SHAPES[spec], tie_word_embeddings=False), f"{spec} (shape)"
     path = Path(spec)
+    if spec in SHAPES and not path.is_dir():  # a folder of that name is the user's model
+        return LlamaConfig(**SHAPES[spec], tie_word_embeddings=False), f"{spec} (shape)"
+
     folder = path.parent if path.name == "config.json" else path
     if not (folder / "config.json").is_file():
         raise ValueError(f"MODEL={spec!r} has no config.json. Fix: a Hugging Face folder, its config.json, "
                          f"'tiny' (the embedded default), a shape ({', '.join(SHAPES)}) or module:Class.")
     return AutoConfig.from_pretrained(str(folder)), folder.name
+
+
+def _transformers_at_least(version: str) -> bool:
+    import transformers
+
+    def key(text: str) -> tuple[int, ...]:
+        return tuple(int(part) for part in re.findall(r"\d+", text)[:2])
+
+    return key(transformers.__version__) >= key(version)
 
 
 def trace_activations(spec: str, workload: Workload, *, params_16bit: bool = False) -> ActivationTrace | None:
@@ -135,9 +146,13 @@ def trace_activations(spec: str, workload: Workload, *, params_16bit: bool = Fal
         return None
     config, _ = _hf_config(spec)
     with FakeTensorMode(allow_non_fake_inputs=True), torch.device("cpu"):
-        # dtype always given: from_config would take the config's own (bf16 for most published models)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if params_16bit else torch.float32)
+        # dtype always given: from_config would take the config's own (bf16 for most published
+        # models); transformers before 4.56 names the argument torch_dtype
+        name = "dtype" if _transformers_at_least("4.56") else "torch_dtype"
+        model = AutoModelForCausalLM.from_config(config, **{name: torch.bfloat16 if params_16bit else torch.float32})
         model.train()
+        if hasattr(model, "loss_type"):  # the causal-LM loss by name (GPT-2's class name does not say it: a warning)
+            model.loss_type = "ForCausalLM"
         blocks = select_blocks(model, wrap_modules=(), wrap_min_params=ZeroConfig().wrap_min_params)
         seen: set[Any] = set()
         current: list[int] = []  # the block running, if any
@@ -185,7 +200,7 @@ def with_traced_activations(shape: ModelShape, spec: str, workload: Workload) ->
         return replace(shape, activation_trace=trace_activations(spec, workload),
                        activation_trace_16bit=trace_activations(spec, workload, params_16bit=True))
     except Exception as err:  # noqa: BLE001 - a model fake tensors cannot run: the formula stands in
-        return replace(shape, untraced=f"{type(err).__name__}: {str(err).splitlines()[0][:200]}")
+        return replace(shape, untraced=f"{type(err).__name__}: {str(err).partition(chr(10))[0][:200] or '(no message)'}")
 
 
 def model_shape(spec: str, *, lora: int = 0) -> ModelShape:
@@ -341,8 +356,8 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
     p = ArgumentParser(prog=prog, description="Memory, bytes and time per config for MODEL on a cluster, "
                        "and the config to use (estimates: see docs/plan.md).")
     p.add_argument("model", metavar="MODEL", nargs="?",
-                   help="a Hugging Face folder or its config.json, 'tiny' (the embedded default), a published "
-                   f"model's shape ({', '.join(SHAPES)}), or module:Class (built with no arguments, on the meta "
+                   help="a Hugging Face folder or its config.json, 'tiny' (the embedded default), a model "
+                   f"shape by name ({', '.join(SHAPES)}), or module:Class (built with no arguments, on the meta "
                    "device)")
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpus-per-node", type=int, default=8)

@@ -45,8 +45,10 @@ of ``L`` GPUs, ``N = M L`` ranks.
   Korthikanti et al. count for 16-bit activations without the attention matrix, which
   SDPA does not store (``2 s b h`` per layer with activation checkpointing; plus ``6 s b
   V`` for the logits and their fp32 loss). The formula assumes a fused GeLU and 16-bit
-  everything: GPT-2's elementwise ``gelu_new`` and its fp32 residual stream saved 1.7x it
-  (benchmarks/plan_accuracy.py). ``RUNTIME_GPU_BYTES`` for the CUDA context and allocator.
+  everything: GPT-2's elementwise ``gelu_new`` saved 1.7x it with 16-bit parameters, 2.2x
+  with fp32 ones (plus the fp32 residual stream and autocast's weight copies;
+  benchmarks/plan_accuracy.py). The trace follows CPU autocast's op lists (CUDA's keep a
+  few more ops in fp32, e.g. ``pow``: GPT-2's ``gelu_new`` would save more on a GPU). ``RUNTIME_GPU_BYTES`` for the CUDA context and allocator.
   Offloaded state moves to the host column (NVMe: to the disk column, with the in-flight
   buffers in host memory).
 - **Bytes per step per rank**, as the ledger books them: the collectives of each stage on
@@ -84,6 +86,7 @@ from zeropp_strategy.config import OffloadConfig, ZeroConfig
 from zeropp_strategy.topology import Topology
 
 __all__ = [
+    "ActivationTrace",
     "ByteModel",
     "CheckpointPolicy",
     "Cluster",
@@ -95,7 +98,6 @@ __all__ = [
     "ShardingPolicy",
     "Workload",
     "ZeroPPPolicy",
-    "ActivationTrace",
     "activations",
     "cost",
     "explain",
@@ -631,8 +633,9 @@ def cost(name: str, plan: Plan | None, model: ModelShape, cluster: Cluster, work
             e.disk += shard * L
             e.host["parameter_buffers"] = C * 4 * m.largest_block
     if w is not None:
-        # stages 2/3 compute with the gathered parameters: 16-bit ones under mixed precision
-        e.gpu["activations"] = activations(m, w, params_16bit=stage >= 2 and C < A)
+        # the forward computes with the stored parameters (DDP, stage 1) or the gathered ones
+        # (stages 2/3): the 16-bit trace when those are 16-bit (traces are of bf16 autocast)
+        e.gpu["activations"] = activations(m, w, params_16bit=(C if stage >= 2 else A) < 4)
     e.gpu["runtime"] = RUNTIME_GPU_BYTES
     e.host["runtime"] = RUNTIME_HOST_BYTES
     # -- bytes per step per rank, as the ledger books them ([Note: two-hop collectives]) --------
