@@ -255,7 +255,7 @@ SIGNATURES: dict[tuple[str, str], list[str]] = {
     ("docs/strategy.md", "OffloadOptimizer(optimizer, config, *"): ["zeropp_strategy.offload:OffloadOptimizer"],
     ("docs/strategy.md", "ParamStore(root, config, *"): ["zeropp_strategy.offload.params:ParamStore"],
     ("docs/strategy.md", "LocalStepOptimizer(optimizer)"): ["zeropp_strategy.engine.local_step:LocalStepOptimizer"],
-    ("docs/strategy.md", "engine = ZeroEngine.start("): ["zeropp_strategy.engine.core:ZeroEngine.start"],
+    ("docs/strategy.md", "engine = ZeroEngine(plan, *"): ["zeropp_strategy.engine.core:ZeroEngine"],
     ("docs/strategy.md", "ZeroPPPrecision(precision=\"32-true\""): [
         "zeropp_strategy:ZeroPPPrecision", "zeropp_strategy:ZeroPPPrecision.bind",
         "zeropp_strategy:ShardedGradScaler"],

@@ -35,3 +35,19 @@ def test_import_contracts_hold() -> None:
     )
     assert proc.returncode == 0, f"lint-imports found broken contracts:\n{proc.stdout}\n{proc.stderr}"
     assert "0 broken" in proc.stdout, proc.stdout
+
+
+def test_nothing_below_the_session_takes_the_config() -> None:
+    """docs/architecture.md: the session resolves the ``ZeroConfig`` into a ``Plan`` once; the
+    engine, offload, comm, checkpoint and kernel modules take the plan (or the blocks it
+    carries) and never import ``ZeroConfig`` (import-linter sees modules, not names: the
+    offload blocks, ``OffloadConfig``, come from the same package)."""
+    import ast
+
+    below = [p for part in ("engine", "offload", "comm", "checkpoint", "kernels")
+             for p in sorted((ROOT / "zeropp_strategy" / part).rglob("*.py"))]
+    assert len(below) > 30
+    offenders = [f"{path.relative_to(ROOT)}:{node.lineno}" for path in below
+                 for node in ast.walk(ast.parse(path.read_text()))
+                 if isinstance(node, ast.ImportFrom) and any(a.name == "ZeroConfig" for a in node.names)]
+    assert not offenders, offenders

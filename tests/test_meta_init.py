@@ -18,7 +18,6 @@ import torch
 from torch import nn
 
 from tests._models import Net
-from zeropp_strategy import ZeroConfig
 from zeropp_strategy.engine.fsdp import materialize
 from zeropp_strategy.engine.meta_init import build_context, build_rng_state, meta_build
 from zeropp_strategy.errors import UsageError
@@ -62,7 +61,7 @@ def test_only_modules_holding_meta_tensors_are_materialized() -> None:
 @pytest.mark.parametrize("empty_init", [None, True, False])
 @pytest.mark.parametrize("meta_init", [True, False])
 def test_which_builds_are_on_meta(stage: int, empty_init: bool | None, meta_init: bool) -> None:
-    with build_context(ZeroConfig(stage=stage, meta_init=meta_init), empty_init):
+    with build_context(stage, meta_init, empty_init):
         on_meta = _is_meta_here()
     assert on_meta == (stage in (2, 3) and meta_init and empty_init is not False)
 

@@ -41,7 +41,8 @@ def _same_but_nvme_path(rank: int, world: int, tmp: str) -> bool:
 
     path = os.path.join(tmp, f"node{rank}")
     os.makedirs(path, exist_ok=True)
-    check_same_config(ZeroConfig(stage=3, offload_optimizer=OffloadConfig(device="nvme", nvme_path=path)), world)
+    check_same_config(ZeroConfig(stage=3, offload_optimizer=OffloadConfig(device="nvme", nvme_path=path)).comparable(),
+                      world)
     dist.barrier()
     return True
 

@@ -204,12 +204,13 @@ def test_hpz_fallback_message_names_the_real_reason():
 
     from zeropp_strategy import ZeroConfig
     from zeropp_strategy.engine.core import ZeroEngine
+    from zeropp_strategy.plan import resolve
     from zeropp_strategy.topology import Topology
 
     for per_node, want in ((1, "one rank per node"), (2, "a single node")):
         messages: list[str] = []
-        engine = ZeroEngine(ZeroConfig(stage=3, hpz_partition_size=0),
-                            topology=Topology(world_size=2, rank=0, ranks_per_node=per_node),
+        topology = Topology(world_size=2, rank=0, ranks_per_node=per_node)
+        engine = ZeroEngine(resolve(ZeroConfig(stage=3, hpz_partition_size=0), topology), topology=topology,
                             meshes=SimpleNamespace(intra_group=None, inter_group=None), ledger=None, precision=None,
                             device=torch.device("cpu"), info=messages.append)
         assert engine.reshard_after_forward() is True

@@ -197,7 +197,9 @@ class ZeroPPFabricStrategy(ProcessMixin, ParallelStrategy):
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
         stack = ExitStack()
         # stages 2/3: meta, materialized in setup_module; stage 1 with empty_init=True: rank 0 reads
-        stack.enter_context(build_context(self.config, empty_init, rank=self.global_rank, world_size=self.world_size))
+        config = self.config
+        stack.enter_context(build_context(config.stage, config.meta_init, empty_init, rank=self.global_rank,
+                                          world_size=self.world_size))
         stack.enter_context(self.precision.module_init_context())
         return stack
 

@@ -27,8 +27,11 @@ in step, ``checkpoint`` writes and reads, ``comm`` moves and books the bytes.
 Order of ``start`` (every rank, the same): the checks that need the job size (config vs
 world size, NVMe paths) before any collective, so a bad value raises on every rank instead
 of hanging the others; then the process group (created through the front-end's ``init``,
-or adopted); then the engine: topology, ledger, the config check across ranks (the first
-collective), meshes, precision, peer watchdog.
+or adopted); then topology, ledger, the config check across ranks (the first collective),
+meshes, precision; then the plan (``plan.resolve``: the one place the config is read for
+decisions) and the engine built from it, and the peer watchdog. Below the session nothing
+takes the ``ZeroConfig``: the engine, ``shard_module``, the memory plan and the offload
+classes take the ``Plan`` or the blocks it carries.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ from zeropp_strategy.config import ZeroConfig
 from zeropp_strategy.engine.core import ZeroEngine
 from zeropp_strategy.engine.memory import close_offload
 from zeropp_strategy.engine.fsdp import ShardedRoot, fsdp_modules, model_shape
-from zeropp_strategy.engine.guards import check_nonfinite, check_nonfinite_policy, unwrap
+from zeropp_strategy.engine.guards import check_nonfinite, check_nonfinite_policy, check_same_config, unwrap
 from zeropp_strategy.engine.precision import (
     PrecisionPolicy,
     clip_grad_norm,
@@ -67,7 +70,8 @@ from zeropp_strategy.engine.precision import (
 )
 from zeropp_strategy.engine.process_group import check_offload_paths, connect, destroy_at_exit
 from zeropp_strategy.fsdp_private import keep_unsharded_after_forward
-from zeropp_strategy.plan import ByteModel, Cluster, ConfigEstimate, Plan, cost
+from zeropp_strategy.engine.watchdog import PeerWatchdog
+from zeropp_strategy.plan import ByteModel, Cluster, ConfigEstimate, Plan, cost, resolve
 from zeropp_strategy.plan import explain as explain_plan
 from zeropp_strategy.topology import Meshes, Topology
 
@@ -103,8 +107,10 @@ class ZeroSession:
             (``plan.resolve``).
     """
 
-    def __init__(self, engine: ZeroEngine, *, where: str, on_nonfinite: str = "ignore", backend: str = "gloo") -> None:
+    def __init__(self, engine: ZeroEngine, *, config: ZeroConfig, where: str, on_nonfinite: str = "ignore",
+                 backend: str = "gloo") -> None:
         self.engine = engine
+        self._config = config
         self.where = where
         self.on_nonfinite = check_nonfinite_policy(on_nonfinite, where)
         self.backend = backend
@@ -138,21 +144,32 @@ class ZeroSession:
     ) -> ZeroSession:
         check_nonfinite_policy(on_nonfinite, where)
         config.validate_for_world(world_size, ranks_per_node)
-        check_offload_paths(config)
+        check_offload_paths({"offload_optimizer": config.offload_optimizer, "offload_param": config.offload_param})
         if init is not None:
-            backend = connect(config, device, init, backend=backend, timeout=timeout)
-        engine = ZeroEngine.start(config, rank=rank, world_size=world_size, ranks_per_node=ranks_per_node,
-                                  device=device, precision=precision, info=info,
-                                  gather_16bit_default=gather_16bit_default)
-        log.debug("%s", engine.plan.describe())
+            backend = connect(device, init, offload=config.offloads, backend=backend, timeout=timeout)
+        # Topology and ledger are local; the config check is the first collective (a
+        # mismatched config would otherwise build mismatched meshes and hang).
+        topology = Topology.detect(world_size, rank, ranks_per_node=ranks_per_node,
+                                   simulated_nodes=config.simulated_nodes)
+        ledger = CommLedger(topology)
+        check_same_config(config.comparable(), world_size, ledger=ledger)
+        meshes = topology.build_meshes(device.type)
+        precision.bind(device.type, ledger, meshes.world.get_group())
+        # Every sentinel of the config decided once, here: the layers below read the plan.
+        plan = resolve(config, topology, gather_16bit_default=gather_16bit_default)
+        engine = ZeroEngine(plan, topology=topology, meshes=meshes, ledger=ledger, precision=precision,
+                            device=device, info=info)
+        engine.watchdog = PeerWatchdog.start(timeout=config.peer_timeout, rank=rank, world_size=world_size)
+        log.debug("%s", plan.describe())
         destroy_at_exit()  # after whoever created the default group: [Note: orderly exit]
-        return cls(engine, where=where, on_nonfinite=on_nonfinite, backend=backend or "gloo")
+        return cls(engine, config=config, where=where, on_nonfinite=on_nonfinite, backend=backend or "gloo")
 
     # -- what the session holds -----------------------------------------------------------
 
     @property
     def config(self) -> ZeroConfig:
-        return self.engine.config
+        """The config as given: what was asked (the plan, ``plan``, is what was decided)."""
+        return self._config
 
     @property
     def stage(self) -> int:

@@ -289,7 +289,8 @@ class StrategyMixin(CheckpointMixin, EvaluationMixin, ProcessMixin):
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         # configure_model (empty_init=None) and init_module(): the meta device at stages 2/3,
         # materialized shard by shard in setup() (ZeroConfig.meta_init, engine/meta_init.py)
-        with build_context(self.config, empty_init, rank=self.global_rank, world_size=self.world_size), \
+        with build_context(self.config.stage, self.config.meta_init, empty_init, rank=self.global_rank,
+                           world_size=self.world_size), \
                 self.precision_plugin.tensor_init_context():
             yield
 

@@ -97,7 +97,7 @@ def _with_offload_backend(config: ZeroConfig, kwargs: dict[str, Any]) -> dict[st
 
     if kwargs.get("cpu") or not torch.cuda.is_available():
         return kwargs
-    backend = default_backend(config, torch.device("cuda"))
+    backend = default_backend(torch.device("cuda"), offload=config.offloads)
     if backend == "nccl":
         return kwargs
     handlers = list(kwargs.get("kwargs_handlers") or [])
@@ -129,10 +129,11 @@ def _init_process_group_per_attempt(config: ZeroConfig, kwargs: dict[str, Any]) 
     device = torch.device("cpu") if cpu else torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     if not cpu:
         torch.cuda.set_device(device)
-    connect(config, device,
+    connect(device,
             lambda backend, **kw: dist.init_process_group(backend, rank=int(os.environ["RANK"]),
                                                           world_size=int(os.environ["WORLD_SIZE"]), **kw),
-            backend=given.get("backend") or ("gloo" if cpu else "nccl"), timeout=given.get("timeout"))
+            offload=config.offloads, backend=given.get("backend") or ("gloo" if cpu else "nccl"),
+            timeout=given.get("timeout"))
 
 
 class _CheckedOptimizer(AcceleratedOptimizer):
@@ -178,7 +179,7 @@ class ZeroPPAccelerator(Accelerator):
             config = config_from_env()
         else:
             config = ZeroConfig.coerce(zero_config, where="ZeroPPAccelerator(zero_config)")
-        check_offload_paths(config)
+        check_offload_paths({"offload_optimizer": config.offload_optimizer, "offload_param": config.offload_param})
         if torchrun_without_gpu():
             kwargs.setdefault("cpu", True)
         kwargs = _with_offload_backend(config, kwargs)

@@ -356,6 +356,20 @@ class ZeroConfig:
         _check_keys(changes, _FIELDS, "ZeroConfig")
         return dataclasses.replace(self, **changes)
 
+    def comparable(self) -> dict[str, Any]:
+        """The fields every rank must agree on (``check_same_config``): ``to_dict()`` without the
+        NVMe paths, which may differ per node (a different mount point on each machine)."""
+        d = self.to_dict()
+        for key in ("offload_optimizer", "offload_param"):
+            d[key] = {k: v for k, v in d[key].items() if k != "nvme_path"}
+        return d
+
+    @property
+    def offloads(self) -> bool:
+        """Whether any state leaves the device (optimizer state or parameters, to the host or a
+        drive): on CUDA the process group then needs gloo beside NCCL for the host tensors."""
+        return self.offload_optimizer.device != "none" or self.offload_param.device != "none"
+
     def digest(self) -> str:
         """sha256 of the canonical JSON of ``to_dict()``: equal exactly on ranks whose configs agree."""
         canon = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))

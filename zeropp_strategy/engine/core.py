@@ -35,7 +35,6 @@ from zeropp_strategy.comm.collectives import all_reduce
 from zeropp_strategy.comm.comm_thread import BackwardDeferral, CommThread, ThreadGroups
 from zeropp_strategy.comm.hierarchical import NodeGroups
 from zeropp_strategy.comm.ledger import CommKind, CommLedger
-from zeropp_strategy.config import ZeroConfig
 from zeropp_strategy.engine.local_step import LocalStepOptimizer, steps_locally
 from zeropp_strategy.engine.remap import remap_optimizer
 from zeropp_strategy.engine.memory_plan import MemoryPlan, check_memory_plan
@@ -63,7 +62,7 @@ from zeropp_strategy.engine.process_group import (  # noqa: F401 - re-exported f
 from zeropp_strategy.engine.stage1 import ShardedOptimizer
 from zeropp_strategy.engine.stage1_reduce import PartitionedReduce, partitioned_reduce_hook
 from zeropp_strategy.engine.watchdog import PeerWatchdog
-from zeropp_strategy.plan import resolve
+from zeropp_strategy.plan import Plan
 from zeropp_strategy.primitives import trim_heap
 from zeropp_strategy.topology import Meshes, Topology
 
@@ -71,11 +70,11 @@ log = logging.getLogger(__name__)
 
 
 class ZeroEngine:
-    """Applies a ``ZeroConfig`` to modules and optimizers on this rank (see module docstring)."""
+    """Applies a ``Plan`` to modules and optimizers on this rank (see module docstring)."""
 
     def __init__(
         self,
-        config: ZeroConfig,
+        plan: Plan,
         *,
         topology: Topology,
         meshes: Meshes,
@@ -83,11 +82,10 @@ class ZeroEngine:
         precision: PrecisionPolicy,
         device: torch.device,
         info: Callable[[str], None] = log.info,
-        gather_16bit_default: bool = True,
     ) -> None:
-        self.config = config
-        # Every sentinel of the config decided once for this job (plan.py); notes said once.
-        self.plan = resolve(config, topology, gather_16bit_default=gather_16bit_default)
+        # Every sentinel of the config, decided once for this job by the session (plan.resolve);
+        # the plan's notes are said once each.
+        self.plan = plan
         self._noted: set[str] = set()
         self.topology = topology
         self.meshes = meshes
@@ -108,33 +106,6 @@ class ZeroEngine:
         self._comm_thread: CommThread | None = None
         self._thread_groups: ThreadGroups | None = None
         self._deferral: BackwardDeferral | None = None
-
-    @classmethod
-    def start(
-        cls,
-        config: ZeroConfig,
-        *,
-        rank: int,
-        world_size: int,
-        ranks_per_node: int,
-        device: torch.device,
-        precision: PrecisionPolicy,
-        info: Callable[[str], None] = log.info,
-        gather_16bit_default: bool = True,
-    ) -> ZeroEngine:
-        """Call once the default process group exists (every rank). Its first collective
-        checks that every rank was given the same config (``check_same_config``)."""
-        # Topology and ledger are local; the config check is the first collective (a
-        # mismatched config would otherwise build mismatched meshes and hang).
-        topology = Topology.detect(world_size, rank, ranks_per_node=ranks_per_node, simulated_nodes=config.simulated_nodes)
-        ledger = CommLedger(topology)
-        check_same_config(config, world_size, ledger=ledger)
-        meshes = topology.build_meshes(device.type)
-        precision.bind(device.type, ledger, meshes.world.get_group())
-        engine = cls(config, topology=topology, meshes=meshes, ledger=ledger, precision=precision, device=device,
-                     info=info, gather_16bit_default=gather_16bit_default)
-        engine.watchdog = PeerWatchdog.start(timeout=config.peer_timeout, rank=rank, world_size=world_size)
-        return engine
 
     @property
     def stage(self) -> int:
@@ -173,11 +144,10 @@ class ZeroEngine:
         plan decided for this topology (asked for on one node, they log why they are off)."""
         from zeropp_strategy.comm.zeropp import ErrorFeedback, HierarchicalQuantReduceScatter, QuantizedAllGather
 
-        cfg, plan, topo = self.config, self.plan, self.topology  # cfg: what was asked, for the notes
+        plan, topo = self.plan, self.topology
         all_gather: Any = None
         reduce_scatter: Any = None
-        if cfg.quantized_weights:
-            self._note("qwZ")
+        self._note("qwZ")  # the plan has a note only for a feature asked for and off here
         if self.plan.quantized_weights:
 
             def quantized_gather() -> QuantizedAllGather:
@@ -188,8 +158,7 @@ class ZeroEngine:
 
             all_gather = quantized_gather
 
-        if cfg.quantized_gradients:
-            self._note("qgZ")
+        self._note("qgZ")
         if self.plan.quantized_gradients:
 
             def quantized_reduce_scatter() -> HierarchicalQuantReduceScatter:

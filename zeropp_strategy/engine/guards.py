@@ -19,7 +19,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from zeropp_strategy.comm.control import all_gather_object, all_reduce_flag, distributed
 from zeropp_strategy.comm.ledger import CommKind, CommLedger
-from zeropp_strategy.config import ZeroConfig
 from zeropp_strategy.engine.dtensor import local as _local
 
 log = logging.getLogger(__name__)
@@ -124,24 +123,14 @@ def check_nonfinite(named_params: list[tuple[str, torch.Tensor]], loss: Any, *, 
     return True
 
 
-def _comparable(config: ZeroConfig) -> dict[str, Any]:
-    """The config fields that must agree across ranks: all of them, except the NVMe paths,
-    which may differ per node (a different mount point on each machine)."""
-    d = config.to_dict()
-    for key in ("offload_optimizer", "offload_param"):
-        if isinstance(d.get(key), dict):
-            d[key] = {k: v for k, v in d[key].items() if k != "nvme_path"}
-    return d
-
-
-def check_same_config(config: ZeroConfig, world_size: int, *, ledger: CommLedger | None = None) -> None:
+def check_same_config(fields: dict[str, Any], world_size: int, *, ledger: CommLedger | None = None) -> None:
     """Collective (one object all-gather): every rank raises the same ``ValueError`` when
     the ranks were given different configs (stage, bits, hpZ size...), naming each field
     that differs, the ranks and their values, instead of entering mismatched collectives
-    and hanging."""
+    and hanging. ``fields``: what must agree (``ZeroConfig.comparable()``)."""
     if world_size <= 1 or not dist.is_initialized():
         return
-    everyone = all_gather_object(_comparable(config), ledger=ledger)
+    everyone = all_gather_object(fields, ledger=ledger)
     if all(d == everyone[0] for d in everyone):
         return
     lines = []

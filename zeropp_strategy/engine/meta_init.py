@@ -38,7 +38,6 @@ from torch.nn.modules.module import (
     register_module_parameter_registration_hook,
 )
 
-from zeropp_strategy.config import ZeroConfig
 from zeropp_strategy.errors import UsageError
 
 __all__ = ["build_context", "build_rng_state", "has_meta", "meta_build", "replayed_rng"]
@@ -106,18 +105,18 @@ def replayed_rng(root: nn.Module) -> Iterator[None]:
     yield
 
 
-def build_context(config: ZeroConfig, empty_init: bool | None, *, rank: int = 0,
+def build_context(stage: int, meta_init: bool, empty_init: bool | None, *, rank: int = 0,
                   world_size: int = 1) -> AbstractContextManager:
     """Where a front-end builds the user's model (Lightning's ``configure_model`` and
     ``init_module``, Fabric's ``init_module``): ``meta_build()`` at stages 2/3 unless
-    ``empty_init=False`` or ``config.meta_init`` is False; at stage 1, which keeps full
+    ``empty_init=False`` or ``meta_init`` (``ZeroConfig.meta_init``) is False; at stage 1, which keeps full
     parameters on every rank, a real build, where with ``empty_init=True`` (Lightning's and
     Fabric's ``init_module(empty_init=True)``: values come later) a published model is read
     by rank 0 only (``rank0_values``). ``rank``/``world_size``: the front-end's, known
     before the process group exists (Lightning's ``init_module`` runs before ``fit``)."""
-    if config.stage in (2, 3) and config.meta_init and empty_init is not False:
+    if stage in (2, 3) and meta_init and empty_init is not False:
         return meta_build()
-    if config.stage == 1 and empty_init is True and world_size > 1:
+    if stage == 1 and empty_init is True and world_size > 1:
         return rank0_values(rank)
     return nullcontext()
 

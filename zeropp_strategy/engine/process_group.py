@@ -11,26 +11,27 @@ import atexit
 import os
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
-from zeropp_strategy.config import ZeroConfig
+if TYPE_CHECKING:
+    from zeropp_strategy.config import OffloadConfig
 
 __all__ = ["attempt_store", "check_offload_paths", "connect", "default_backend", "destroy_at_exit",
            "restarted_under_torchrun"]
 
 
-def default_backend(config: ZeroConfig, device: torch.device) -> str:
-    """NCCL for accelerator tensors; with offload, also gloo for the host tensors that
-    offloaded shards produce (full-format saves gather host-resident DTensors, clipping
-    reduces norms of host grads): c10d picks the backend by each tensor's device."""
+def default_backend(device: torch.device, *, offload: bool = False) -> str:
+    """NCCL for accelerator tensors; with ``offload`` (``ZeroConfig.offloads``), also gloo
+    for the host tensors that offloaded shards produce (full-format saves gather
+    host-resident DTensors, clipping reduces norms of host grads): c10d picks the backend by
+    each tensor's device."""
     if device.type == "cpu":
         return "gloo"
     backend = "nccl" if device.type == "cuda" else dist.Backend.default_device_backend_map.get(device.type, "gloo")
-    offload = config.offload_optimizer.device != "none" or config.offload_param.device != "none"
     if backend == "nccl" and offload:
         return "cpu:gloo,cuda:nccl"
     return backend
@@ -60,12 +61,12 @@ def attempt_store(timeout: timedelta | None) -> dist.Store | None:
     return dist.PrefixStore(f"zeropp/attempt_{attempt}", store)
 
 
-def check_offload_paths(config: ZeroConfig) -> None:
-    """A missing or read-only nvme_path fails here, on every rank, before any collective."""
+def check_offload_paths(blocks: dict[str, OffloadConfig]) -> None:
+    """A missing or read-only nvme_path fails here, on every rank, before any collective.
+    ``blocks``: the offload blocks by field name (``offload_optimizer``, ``offload_param``)."""
     from zeropp_strategy.offload.swap import check_swap_root
 
-    for name in ("offload_optimizer", "offload_param"):
-        block = getattr(config, name)
+    for name, block in blocks.items():
         if block.device == "nvme":
             check_swap_root(block.nvme_path, name)
 
@@ -173,18 +174,18 @@ def release_destroyed_groups() -> None:
 
 
 def connect(
-    config: ZeroConfig,
     device: torch.device,
     init: Callable[..., None],
     *,
+    offload: bool = False,
     backend: str | None = None,
     timeout: timedelta | None = None,
 ) -> str:
     """Create the default process group through the front-end's ``init(backend, **kwargs)``
-    and return the backend used (``backend`` or ``default_backend``). kwargs: ``timeout``,
-    ``device_id`` on accelerators, and under torchrun the per-attempt ``store``. An existing
-    group is adopted as it is."""
-    backend = backend or default_backend(config, device)
+    and return the backend used (``backend`` or ``default_backend(device, offload=...)``).
+    kwargs: ``timeout``, ``device_id`` on accelerators, and under torchrun the per-attempt
+    ``store``. An existing group is adopted as it is."""
+    backend = backend or default_backend(device, offload=offload)
     if dist.is_available() and dist.is_initialized():
         return backend
     kwargs: dict[str, Any] = {"timeout": timeout}
