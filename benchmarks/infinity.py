@@ -349,8 +349,9 @@ def main() -> None:
     if args.nvme is None:
         ap.error("--nvme DIR is required (a directory on the drive to measure)")
     Path(args.nvme).mkdir(parents=True, exist_ok=True)
-    from benchmarks.offload import fio_bandwidth, hardware
     from benchmarks.volume import _matmul_ms
+    from offload_common import hardware  # benchmarks/offload.py's parts: siblings, like llama and rss above
+    from offload_swap import fio_bandwidth
 
     res = {"meta": {"command": " ".join(["python", "benchmarks/infinity.py", *sys.argv[1:]]),
                     "date": time.strftime("%Y-%m-%d"), "hardware": hardware(None), "matmul_ms": _matmul_ms(),

@@ -1,0 +1,68 @@
+"""What benchmarks/volume.py runs: the suite's cells (``CELLS``), the parts (``PARTS``) and their
+results files, and the formulas its page compares the measured cross-node bytes with.
+Imported by benchmarks/volume.py and benchmarks/volume_page.py.
+"""
+
+from __future__ import annotations
+
+CELLS = {
+    "200mbit": ["ddp", "zeropp_stage_1", "zeropp_stage_2", "zeropp_stage_3", "zeropp_stage_3_bf16", "zeropp",
+                "deepspeed_zero3"],
+    "unlimited": ["zeropp_stage_3", "zeropp", "deepspeed_zero3"],
+}
+MB = 1e6
+# --part stage1 / sizes: (rate, sizes, systems); "@before" would run the --before-root package,
+# "#N" cuts stage 1's post-step gather into about N buckets (bench_train.py --overlap-buckets).
+PARTS = {
+    "stage1": ("200mbit", ["small"], ["ddp", "zeropp_stage_1", "zeropp_stage_1_overlap", "zeropp_stage_1_overlap#1",
+                                      "zeropp_stage_1_overlap#16"]),
+    "sizes": ("1gbit", ["small", "medium"], ["ddp", "zeropp_stage_3", "zeropp", "deepspeed_zero3"]),
+    # Beyond ZeRO++ (issue 35): int4 weight gathers against zeropp, at 50 Mbit/s and without a limit
+    "4bit_50mbit": ("50mbit", ["small"], ["zeropp", "zeropp_4bit"]),
+    "4bit_unlimited": ("unlimited", ["small"], ["zeropp", "zeropp_4bit"]),
+}
+PART_FILES = {"stage1": "volume_stage1_async.json", "sizes": "volume_sizes_1gbit.json",
+              "4bit_50mbit": "volume_4bit_50mbit.json", "4bit_unlimited": "volume_4bit_unlimited.json"}
+SUITE_FILES = {"fp32": "volume_bf16_fp32mm.json", "native": "volume_bf16.json"}  # by --bf16-matmul
+ARCHIVED_SUITES = ["volume_bf16_fp32mm_2026-11-25.json"]
+"""Earlier runs of the suite kept on the page below the newest, newest first; each JSON's
+``meta["title_note"]`` says what it predates."""
+
+
+def formula_bytes(system: str, params: int, world: int = 4, nodes: int = 2) -> float | None:
+    """Cross-node payload per step, both directions, all ranks ([Note: two-hop collectives]).
+
+    P parameters, bf16 gathers (2 bytes), fp32 (4) or bf16 (2) reduce: a two-hop collective
+    puts (M-1)/M of the full tensor's bytes across per node pair, i.e. (M-1) x bytes(P) in all;
+    gloo's ring all-reduce (ddp) puts 2 (W-1)/W x bytes(P) on each of the M node-crossing links.
+    """
+    m = nodes - 1
+    if system == "ddp":
+        return nodes * 2 * (world - 1) / world * 4 * params
+    if system == "zeropp_stage_1":  # fp32 reduce-scatter + fp32 gather of the updated rows
+        return m * (4 + 4) * params
+    if system == "zeropp_stage_2":  # one bf16 gather + fp32 reduce-scatter
+        return m * (2 + 4) * params
+    if system == "zeropp_stage_3":  # two bf16 gathers + fp32 reduce-scatter
+        return m * (2 + 2 + 4) * params
+    if system == "zeropp_stage_3_bf16":
+        return m * (2 + 2 + 2) * params
+    return None
+
+
+# Peers whose gradient reduce-scatter gloo runs as an all-reduce (torch's gloo backend has
+# no reduce_scatter_tensor of its own), with their reduce dtype's bytes: DeepSpeed ZeRO-3 in
+# its bf16 mode, FSDP2 with MixedPrecisionPolicy(reduce_dtype=fp32). Ours uses all-to-all.
+RS_AS_ALL_REDUCE = {"deepspeed_zero3": 2, "fsdp2": 4}
+
+
+def nccl_ideal_bytes(system: str, veth: float, params: int, world: int = 4, nodes: int = 2) -> float | None:
+    """An estimate of a peer's cross-node bytes per step with a native reduce-scatter (NCCL):
+    the measured bytes less what the all-reduce adds over a reduce-scatter. On the ring of
+    ``world`` ranks, ``nodes`` links cross nodes; a reduce-scatter of B bytes puts (W-1)/W x B
+    on each link, an all-reduce twice that, so the extra is nodes x (W-1)/W x B. None for
+    systems that do not pay it."""
+    width = RS_AS_ALL_REDUCE.get(system)
+    if width is None:
+        return None
+    return veth - nodes * (world - 1) / world * width * params
