@@ -188,7 +188,7 @@ def test_ci_runs_the_compatibility_selection_on_the_floor_and_the_newest_torch()
     ids = [ln for ln in proc.stdout.splitlines() if "::" in ln]
     covered = {i.split("::")[0].removeprefix("tests/") for i in ids}
     assert covered == {"test_fsdp_private.py", "test_parity.py", "test_zeropp.py", "test_checkpoint.py",
-                       "test_offload.py", "test_accelerate.py", "test_rlhf_ppo.py"}, covered
+                       "test_offload.py", "test_accelerate.py", "test_rlhf_ppo.py", "test_estimate.py"}, covered
     assert "tests/test_parity.py::test_parameters_equal_ddp[2ranks]" in ids
     assert not any("[4ranks]" in i for i in ids)  # a few minutes: 2 ranks only
 
