@@ -5,8 +5,7 @@ split into train and validation, AdamW, the Hugging Face export at the end of ``
 Each module builds its networks in ``configure_model`` (meta-device friendly under
 ``zeropp``), runs under any Lightning strategy, and reads its data through ``rlhf.data``.
 Every hyper-parameter is an ``__init__`` argument, so LightningCLI recipes can set and
-override all of them. Moved here from ``zeropp_strategy.rlhf.modules``, which re-exports
-the modules.
+override all of them. Moved here from ``zeropp_strategy.rlhf.modules`` (that path was removed: docs/changes.md).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 
     zeropp fit --config recipes/dpo.yaml --model.model PATH
 
-Moved here from ``zeropp_strategy.rlhf.modules``, which re-exports it.
+Moved here from ``zeropp_strategy.rlhf.modules`` (that path was removed: docs/changes.md).
 """
 
 from __future__ import annotations

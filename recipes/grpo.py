@@ -1,6 +1,6 @@
 """Layer: recipes. ``GRPOModule``: critic-free RL on verifiable rewards, GRPO and its
 variants (recipe: ``grpo.yaml`` beside this file). Moved here from
-``zeropp_strategy.rlhf.grpo``, which re-exports it.
+``zeropp_strategy.rlhf.grpo`` (that path was removed: docs/changes.md).
 
 No critic and no learned value: each prompt gets ``num_generations`` (G) sampled
 completions, each completion a reward, and its advantage is its reward against the others

@@ -1,6 +1,5 @@
 """Layer: recipes. ``PPOModule``: step 3 of the InstructGPT pipeline, RLHF with PPO (recipe:
-``ppo.yaml`` beside this file). Moved here from ``zeropp_strategy.rlhf.ppo``, which
-re-exports it.
+``ppo.yaml`` beside this file). Moved here from ``zeropp_strategy.rlhf.ppo`` (that path was removed: docs/changes.md).
 
 Four networks, all built in ``configure_model`` and sharded together by the strategy:
 

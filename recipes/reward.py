@@ -4,7 +4,7 @@ model (recipe: ``reward.yaml`` beside this file); it exports the folder ``PPOMod
 
     zeropp fit --config recipes/reward.yaml
 
-Moved here from ``zeropp_strategy.rlhf.modules``, which re-exports it.
+Moved here from ``zeropp_strategy.rlhf.modules`` (that path was removed: docs/changes.md).
 """
 
 from __future__ import annotations

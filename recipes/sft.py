@@ -4,7 +4,7 @@ file).
 
     zeropp fit --config recipes/sft.yaml
 
-Moved here from ``zeropp_strategy.rlhf.modules``, which re-exports it.
+Moved here from ``zeropp_strategy.rlhf.modules`` (that path was removed: docs/changes.md).
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ def main() -> None:
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     if not first_attempt and rank == 1:
         time.sleep(3)  # late to the new rendezvous: without a per-attempt store prefix rank 0 would
-        # read rank 1's keys of the failed attempt and fail to connect (see engine.core.attempt_store)
+        # read rank 1's keys of the failed attempt and fail to connect (see engine.process_group.attempt_store)
 
     class Faulty(ParityModule):
         steps_here = 0  # training steps run by this process (a resumed attempt runs fewer)

@@ -162,7 +162,7 @@ def test_pipeline_unknown_model_key_names_it_before_anything_starts(tmp_path: Pa
 
 def test_fit_bad_field_is_one_line_without_lightning_cli_warning(tmp_path: Path) -> None:
     recipe = tmp_path / "sft.yaml"
-    recipe.write_text(yaml.safe_dump({"model": {"class_path": "zeropp_strategy.rlhf.modules.SFTModule"}}))
+    recipe.write_text(yaml.safe_dump({"model": {"class_path": "zeropp_strategy.recipes.sft.SFTModule"}}))
     proc = _zeropp(["fit", "--config", str(recipe), "--model.batchsize", "3"], tmp_path)
     _assert_one_error_line(proc, "['batchsize']", "rename 'batchsize' to 'batch_size'", "zeropp fit --help")
 

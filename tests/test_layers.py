@@ -49,5 +49,6 @@ def test_nothing_below_the_session_takes_the_config() -> None:
     assert len(below) > 30
     offenders = [f"{path.relative_to(ROOT)}:{node.lineno}" for path in below
                  for node in ast.walk(ast.parse(path.read_text()))
-                 if isinstance(node, ast.ImportFrom) and any(a.name == "ZeroConfig" for a in node.names)]
+                 if (isinstance(node, ast.ImportFrom) and any(a.name == "ZeroConfig" for a in node.names))
+                 or (isinstance(node, ast.Attribute) and node.attr == "ZeroConfig")]
     assert not offenders, offenders

@@ -1,13 +1,12 @@
 """The RLHF LightningModules live in ``recipes/`` (``zeropp_strategy.recipes``), beside their
-YAML: the old homes in ``zeropp_strategy.rlhf`` resolve to the same classes, a recipe that
-names an old ``class_path`` still trains, importing the package for its YAML loads neither
+YAML: the old homes in ``zeropp_strategy.rlhf`` are gone (docs/changes.md) and a recipe that
+names one is told the new home in one line, importing the package for its YAML loads neither
 torch nor Lightning, and sampling hands the KV cache over by the name the installed
 transformers takes (``cache`` in 5.x, ``past_key_values`` in 4.x), so it warns nothing."""
 
 from __future__ import annotations
 
 import importlib
-import json
 import subprocess
 import sys
 import warnings
@@ -21,15 +20,7 @@ from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# the old import path -> the new home
-MOVED = {
-    "zeropp_strategy.rlhf.modules.SFTModule": "zeropp_strategy.recipes.sft.SFTModule",
-    "zeropp_strategy.rlhf.modules.RewardModule": "zeropp_strategy.recipes.reward.RewardModule",
-    "zeropp_strategy.rlhf.modules.DPOModule": "zeropp_strategy.recipes.dpo.DPOModule",
-    "zeropp_strategy.rlhf.modules.sequence_logprobs": "zeropp_strategy.recipes.dpo.sequence_logprobs",
-    "zeropp_strategy.rlhf.ppo.PPOModule": "zeropp_strategy.recipes.ppo.PPOModule",
-    "zeropp_strategy.rlhf.grpo.GRPOModule": "zeropp_strategy.recipes.grpo.GRPOModule",
-}
+from zeropp_strategy.rlhf.cli import _REMOVED_PATHS as MOVED  # the old import path -> the new home
 
 
 def _resolve(path: str) -> object:
@@ -37,11 +28,13 @@ def _resolve(path: str) -> object:
     return getattr(importlib.import_module(module), name)
 
 
-def test_old_import_paths_resolve_to_the_moved_classes() -> None:
+def test_the_old_import_paths_are_gone_and_the_new_homes_resolve() -> None:
     import zeropp_strategy.recipes as recipes
 
     for old, new in MOVED.items():
-        assert _resolve(old) is _resolve(new), old
+        with pytest.raises(ModuleNotFoundError):
+            _resolve(old)
+        assert _resolve(new).__name__ == old.rpartition(".")[2], new
     for name in recipes.__all__:  # the lazy names of the package
         assert getattr(recipes, name) is _resolve(f"zeropp_strategy.recipes.{name.lower().removesuffix('module')}"
                                                    f".{name}"), name
@@ -75,29 +68,22 @@ def test_importing_recipes_for_the_yaml_loads_neither_torch_nor_lightning(tmp_pa
     assert proc.stdout.strip() == "[]", proc.stdout
 
 
-def test_a_recipe_with_an_old_class_path_still_trains(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``zeropp fit`` on a recipe written before the move (``zeropp_strategy.rlhf.modules``)."""
+def test_a_recipe_with_an_old_class_path_is_told_the_new_home(tmp_path: Path, capsys,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """``zeropp fit`` on a recipe written before the move (``zeropp_strategy.rlhf.modules``):
+    one line naming the removed path and the class's home, before anything starts."""
     from zeropp_strategy.cli import main
-    from zeropp_strategy.rlhf.models import tiny_llama_config
 
-    small = tiny_llama_config(hidden_size=32, intermediate_size=64, num_hidden_layers=2)
     recipe = tmp_path / "old.yaml"
-    recipe.write_text(yaml.safe_dump({
-        "seed_everything": 0,
-        "model": {"class_path": "zeropp_strategy.rlhf.modules.SFTModule",
-                  "init_args": {"model": small, "batch_size": 8, "lr": 0.0042}},
-        "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 1, "limit_val_batches": 0, "logger": False,
-                    "enable_progress_bar": False, "enable_model_summary": False, "enable_checkpointing": False,
-                    "default_root_dir": str(tmp_path / "run")},
-    }))
-    monkeypatch.chdir(tmp_path)
+    recipe.write_text(yaml.safe_dump({"model": {"class_path": "zeropp_strategy.rlhf.modules.SFTModule"},
+                                      "trainer": {"default_root_dir": str(tmp_path / "run")}}))
     argv = ["fit", "--config", str(recipe)]
     monkeypatch.setattr(sys, "argv", ["zeropp", *argv])  # as the console command runs it
-    assert main(argv) == 0
-    saved = yaml.safe_load(next((tmp_path / "run").rglob("config.yaml")).read_text())
-    assert _resolve(saved["model"]["class_path"]) is _resolve(MOVED["zeropp_strategy.rlhf.modules.SFTModule"])
-    assert saved["model"]["init_args"]["lr"] == 0.0042
-    assert json.loads(json.dumps(saved["model"]["init_args"]["model"])) == small
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("error: zeropp fit: class_path 'zeropp_strategy.rlhf.modules.SFTModule' was removed. Fix: use "
+                   "'zeropp_strategy.recipes.sft.SFTModule', the class's home since the recipes moved to recipes/"), err
+    assert not (tmp_path / "run").exists()
 
 
 # -- the KV cache's name --------------------------------------------------------------------

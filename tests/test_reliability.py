@@ -37,7 +37,7 @@ def _same_but_nvme_path(rank: int, world: int, tmp: str) -> bool:
     import torch.distributed as dist
 
     from zeropp_strategy.config import OffloadConfig, ZeroConfig
-    from zeropp_strategy.engine.core import check_same_config
+    from zeropp_strategy.engine.guards import check_same_config
 
     path = os.path.join(tmp, f"node{rank}")
     os.makedirs(path, exist_ok=True)

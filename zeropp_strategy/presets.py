@@ -2,7 +2,8 @@
 fields each one sets; standard library only.
 
 The Lightning and Fabric front-ends register these names (``_process``); the mapping is
-exported as ``zeropp_strategy.PRESETS`` (and, as before, ``zeropp_strategy.strategy.PRESETS``).
+exported as ``zeropp_strategy.PRESETS`` (``zeropp_strategy.strategy.PRESETS`` was removed on
+2026-11-27: docs/changes.md).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ framework imported.
 The three front-ends are adapters over this object: the Lightning strategy
 (``strategy.py``), the Fabric strategy (``fabric.py``) and ``ZeroPPAccelerator``
 (``accelerate/``) translate their framework's hooks into these calls and hold no lifecycle
-logic of their own. What is below it: ``engine.core.ZeroEngine`` applies the config to
+logic of their own. What is below it: ``engine.core.ZeroEngine`` applies the plan to
 modules and optimizers (one ``prepare`` for every stage), ``engine.guards`` keeps the ranks
 in step, ``checkpoint`` writes and reads, ``comm`` moves and books the bytes.
 
@@ -29,9 +29,10 @@ world size, NVMe paths) before any collective, so a bad value raises on every ra
 of hanging the others; then the process group (created through the front-end's ``init``,
 or adopted); then topology, ledger, the config check across ranks (the first collective),
 meshes, precision; then the plan (``plan.resolve``: the one place the config is read for
-decisions) and the engine built from it, and the peer watchdog. Below the session nothing
-takes the ``ZeroConfig``: the engine, ``shard_module``, the memory plan and the offload
-classes take the ``Plan`` or the blocks it carries.
+decisions) and the engine built from it, and the peer watchdog. Below the session only
+``plan.resolve`` (and ``plan.policies``) take the ``ZeroConfig``: the engine,
+``shard_module``, the memory plan and the offload classes take the ``Plan`` or the blocks
+it carries.
 """
 
 from __future__ import annotations
@@ -144,7 +145,7 @@ class ZeroSession:
     ) -> ZeroSession:
         check_nonfinite_policy(on_nonfinite, where)
         config.validate_for_world(world_size, ranks_per_node)
-        check_offload_paths({"offload_optimizer": config.offload_optimizer, "offload_param": config.offload_param})
+        check_offload_paths(config.offload_blocks)
         if init is not None:
             backend = connect(device, init, offload=config.offloads, backend=backend, timeout=timeout)
         # Topology and ledger are local; the config check is the first collective (a

@@ -62,7 +62,6 @@ from zeropp_strategy.engine.memory import MemoryStats, memory_stats
 from zeropp_strategy.engine.meta_init import build_context, has_meta
 from zeropp_strategy.evaluation import EvaluationMixin
 from zeropp_strategy.precision import PrecisionMixin, ZeroPPPrecision
-from zeropp_strategy.presets import PRESETS as PRESETS  # re-export: zeropp_strategy.strategy.PRESETS
 from zeropp_strategy.resume import ResumingLauncher, check_same_choice, resume_path
 from zeropp_strategy.session import ZeroSession
 from zeropp_strategy.topology import Meshes, Topology

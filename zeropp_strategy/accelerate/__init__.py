@@ -179,7 +179,7 @@ class ZeroPPAccelerator(Accelerator):
             config = config_from_env()
         else:
             config = ZeroConfig.coerce(zero_config, where="ZeroPPAccelerator(zero_config)")
-        check_offload_paths({"offload_optimizer": config.offload_optimizer, "offload_param": config.offload_param})
+        check_offload_paths(config.offload_blocks)
         if torchrun_without_gpu():
             kwargs.setdefault("cpu", True)
         kwargs = _with_offload_backend(config, kwargs)

@@ -99,7 +99,7 @@ def is_writer() -> bool:
 
 def rank_zero_writes(what: str, write: Callable[[], Any]) -> None:
     """Collective: rank 0 runs ``write``; if it fails (a full disk), every rank raises with
-    rank 0's message (``engine.core.agree`` would only say that rank 0 failed), and none
+    rank 0's message (``engine.guards.agree`` would only say that rank 0 failed), and none
     waits for rank 0 in the next collective."""
     rank, world = _world()
     error: Exception | None = None

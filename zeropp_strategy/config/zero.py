@@ -365,6 +365,11 @@ class ZeroConfig:
         return d
 
     @property
+    def offload_blocks(self) -> dict[str, OffloadConfig]:
+        """The two offload blocks by field name (``offload_optimizer``, ``offload_param``)."""
+        return {"offload_optimizer": self.offload_optimizer, "offload_param": self.offload_param}
+
+    @property
     def offloads(self) -> bool:
         """Whether any state leaves the device (optimizer state or parameters, to the host or a
         drive): on CUDA the process group then needs gloo beside NCCL for the host tensors."""

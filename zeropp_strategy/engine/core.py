@@ -4,8 +4,8 @@ The Lightning strategy, the Fabric strategy and ``ZeroPPAccelerator`` differ in 
 user hands them a model and an optimizer and in their hooks; what they do to those
 objects is the same and lives here, once:
 
-- ``start``: after the default process group exists, detect the topology, build the
-  device meshes and the CommLedger, bind the precision policy (``engine.precision``);
+- built by ``ZeroSession.start`` from the resolved ``Plan``, with the topology, meshes,
+  ledger and bound precision policy it made (the engine never sees the ``ZeroConfig``);
 - ``prepare_stage1`` + ``wrap_ddp``: stage 1 materializes the module and wraps it in DDP
   (all-reduce booked by a ledger hook); ``shard`` + ``module_to_device``: stages 2/3 apply
   FSDP2 with our comm objects (``engine.fsdp.shard_module``), plus NVMe parameter offload
@@ -43,22 +43,8 @@ from zeropp_strategy.engine.fsdp import (
 )
 from zeropp_strategy.engine.grad_reads import watch_reads
 from zeropp_strategy.engine.meta_init import RANK0_VALUES_ATTR
-from zeropp_strategy.engine.guards import (  # noqa: F401 - NONFINITE_POLICIES ... re-exported from their old home
-    NONFINITE_POLICIES,
-    agree,
-    broadcast_module,
-    check_nonfinite,
-    check_nonfinite_policy,
-    check_same_config,
-    named_parameters,
-    unwrap,
-)
+from zeropp_strategy.engine.guards import agree, broadcast_module, unwrap
 from zeropp_strategy.engine.precision import PrecisionPolicy
-from zeropp_strategy.engine.process_group import (  # noqa: F401 - re-exported from their old home
-    attempt_store,
-    check_offload_paths,
-    default_backend,
-)
 from zeropp_strategy.engine.stage1 import ShardedOptimizer
 from zeropp_strategy.engine.stage1_reduce import PartitionedReduce, partitioned_reduce_hook
 from zeropp_strategy.engine.watchdog import PeerWatchdog
@@ -99,7 +85,7 @@ class ZeroEngine:
         self._names_before: dict[int, str] = {}  # id(param before) -> "<module index>.<name>"
         self._params_after: dict[str, nn.Parameter] = {}  # "<module index>.<name>" -> param now
         self._prepared = 0
-        self.watchdog: PeerWatchdog | None = None  # set by start; see [Note: peer watchdog]
+        self.watchdog: PeerWatchdog | None = None  # set by ZeroSession.start; see [Note: peer watchdog]
         self.nodes = NodeGroups(topology, intra_group=meshes.intra_group, inter_group=meshes.inter_group)
         # Gradient reduces run on a thread with groups of its own ([Note: comm thread]), made by
         # the first model set up and shared by every model of this engine (one order of jobs).

@@ -128,6 +128,9 @@ def check_same_config(fields: dict[str, Any], world_size: int, *, ledger: CommLe
     the ranks were given different configs (stage, bits, hpZ size...), naming each field
     that differs, the ranks and their values, instead of entering mismatched collectives
     and hanging. ``fields``: what must agree (``ZeroConfig.comparable()``)."""
+    if not isinstance(fields, dict):
+        raise TypeError(f"check_same_config takes the fields to compare (config.comparable()), not a "
+                        f"{type(fields).__name__}")
     if world_size <= 1 or not dist.is_initialized():
         return
     everyone = all_gather_object(fields, ledger=ledger)

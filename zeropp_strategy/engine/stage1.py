@@ -80,7 +80,7 @@ from zeropp_strategy.comm.hierarchical import NodeGroups, PendingWork
 from zeropp_strategy.comm.ledger import CommKind, CommLedger, Phase
 from zeropp_strategy.engine.local_step import local_shards
 from zeropp_strategy.engine.pending_params import PendingParams
-from zeropp_strategy.primitives import WrappingOptimizer as WrappingOptimizer  # re-export: its old home
+from zeropp_strategy.primitives import WrappingOptimizer
 from zeropp_strategy.primitives import Alloc, Workspace, fresh
 
 

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
 
 from zeropp_strategy.engine.stage1 import ShardedOptimizer
-from zeropp_strategy.primitives import follows_param as follows_param  # re-export: its old home
+from zeropp_strategy.primitives import follows_param
 
 
 def to_full_cpu(value: Any, *, keep: bool = True, ledger: Any = None) -> Any:

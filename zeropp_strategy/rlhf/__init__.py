@@ -5,5 +5,5 @@ verifiable rewards): formulas in ``ops`` and ``grpo_ops``; records and collators
 ``zeropp fit`` and ``zeropp pipeline`` commands in ``cli`` and ``pipeline``.
 
 The LightningModules built on them live in ``zeropp_strategy.recipes`` (the repository's
-``recipes/`` folder, beside their YAML); ``modules``, ``ppo`` and ``grpo`` here re-export
-them from their old import paths."""
+``recipes/`` folder, beside their YAML); their old import paths here (``modules``, ``ppo``,
+``grpo``) were removed on 2026-11-27 (docs/changes.md)."""
