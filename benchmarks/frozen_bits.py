@@ -70,7 +70,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from zeropp_strategy import PRESETS, ZeroPPStrategy
-    from zeropp_strategy.rlhf.pipeline import load_recipe, run_pipeline
+    from zeropp_strategy.pipeline import load_recipe, run_pipeline
 
     recipe = load_recipe(None)
     if args.bits:

@@ -29,9 +29,9 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import Tensor
 
-from zeropp_strategy.engine.dtensor import is_dtensor as _is_dtensor
-from zeropp_strategy.engine.dtensor import local as _local
-from zeropp_strategy.engine.stage1 import wait_for_parameters
+from zeropp_strategy.toolkit import is_dtensor as _is_dtensor
+from zeropp_strategy.toolkit import local as _local
+from zeropp_strategy.toolkit import wait_for_parameters
 
 __all__ = ["ShardedEMA"]
 
@@ -159,7 +159,7 @@ class ShardedEMA(Callback):
         sharded = any(_is_dtensor(p) for p in self._params.values())
         strategy = self._trainer.strategy if self._trainer is not None else None
         if sharded and getattr(strategy, "state_dict_type", "full") == "sharded":
-            from zeropp_strategy.checkpoint.sharded import CALLBACK_TENSORS
+            from zeropp_strategy.toolkit import CALLBACK_TENSORS
 
             state[CALLBACK_TENSORS] = {n: self._as_dtensor(n) for n in self.ema}
         elif sharded:
@@ -181,7 +181,7 @@ class ShardedEMA(Callback):
         if not self._params:  # restored before fit started: apply once the parameters exist
             self._pending = dict(state)
             return
-        from zeropp_strategy.checkpoint.sharded import CALLBACK_TENSORS_ID
+        from zeropp_strategy.toolkit import CALLBACK_TENSORS_ID
 
         if CALLBACK_TENSORS_ID in state:
             targets = {n: self._as_dtensor(n) for n in self.ema}

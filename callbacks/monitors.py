@@ -58,7 +58,7 @@ class CommVolumeMonitor(Callback):
         self._strategy = _zeropp(trainer, "CommVolumeMonitor")
 
     def _snapshot(self) -> dict[str, tuple[int, ...]]:
-        from zeropp_strategy.comm.ledger import CommKind
+        from zeropp_strategy import CommKind
 
         ledger = self._strategy.comm_ledger
         return {k.value: tuple(getattr(ledger.totals(k), f) for f in _FIELDS) for k in CommKind}

@@ -17,7 +17,7 @@ from lightning.pytorch import LightningModule
 from torch.utils.data import DataLoader
 
 from zeropp_strategy.rlhf.data import EvalShard, PairCollator, load_records
-from zeropp_strategy.checkpoint.consolidate import weights_dtype
+from zeropp_strategy.toolkit import weights_dtype
 from zeropp_strategy.rlhf.models import build_tokenizer, tiny_llama_config
 
 __all__ = ["DatasetModule", "PairDatasetModule"]

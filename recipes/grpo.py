@@ -44,8 +44,7 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-from zeropp_strategy.checkpoint.consolidate import weights_dtype
-from zeropp_strategy.engine.pretrained import copy_on_materialize
+from zeropp_strategy.toolkit import copy_on_materialize, weights_dtype
 from zeropp_strategy.rlhf import grpo_ops, ops
 from zeropp_strategy.rlhf.data import EvalShard, PromptCollator, load_records
 from zeropp_strategy.rlhf.generation import decode_responses, gathered, sample
@@ -342,7 +341,7 @@ class GRPOModule(LightningModule):
         return exp
 
     def _fsdp_blocks(self) -> int:
-        from zeropp_strategy.engine.fsdp import fsdp_modules
+        from zeropp_strategy.toolkit import fsdp_modules
 
         return len(fsdp_modules(self.actor))
 

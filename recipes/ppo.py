@@ -42,9 +42,7 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-from zeropp_strategy.engine.fsdp import fsdp_modules
-from zeropp_strategy.checkpoint.consolidate import weights_dtype
-from zeropp_strategy.engine.pretrained import copy_on_materialize
+from zeropp_strategy.toolkit import copy_on_materialize, fsdp_modules, weights_dtype
 from zeropp_strategy.rlhf import ops
 from zeropp_strategy.rlhf.data import EvalShard, PromptCollator, SFTCollator, load_records
 from zeropp_strategy.rlhf.generation import decode_responses, gathered, sample
@@ -57,7 +55,7 @@ from zeropp_strategy.rlhf.models import (
     positions,
     tiny_llama_config,
 )
-from zeropp_strategy.engine.dtensor import local as _local
+from zeropp_strategy.toolkit import local as _local
 
 __all__ = ["PPOModule"]
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from zeropp_strategy.comm.control import all_gather_object
+from zeropp_strategy.toolkit import all_gather_object
 from zeropp_strategy.recipes.base import PairDatasetModule
 from zeropp_strategy.rlhf import ops
 from zeropp_strategy.rlhf.models import ScalarHeadModel, apply_lora, build_causal_lm

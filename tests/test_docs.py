@@ -475,13 +475,13 @@ def _parse_zeropp(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
 
         consolidate.build_parser("zeropp consolidate").parse_args(rest)
     elif sub == "pipeline":
-        from zeropp_strategy.rlhf import pipeline
+        from zeropp_strategy import pipeline
 
         seen = []
         monkeypatch.setattr(pipeline, "run_pipeline", lambda recipe, out, **kw: seen.append((recipe, out)) or {})
         assert pipeline.main(rest) == 0 and seen, argv
     elif sub == "fit":
-        from zeropp_strategy.rlhf.cli import fit
+        from zeropp_strategy.fit import fit
 
         # as from the command line: LightningCLI warns when given args while sys.argv has some (pytest's)
         monkeypatch.setattr(sys, "argv", ["zeropp"])

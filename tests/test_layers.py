@@ -52,3 +52,19 @@ def test_nothing_below_the_session_takes_the_config() -> None:
                  if (isinstance(node, ast.ImportFrom) and any(a.name == "ZeroConfig" for a in node.names))
                  or (isinstance(node, ast.Attribute) and node.attr == "ZeroConfig")]
     assert not offenders, offenders
+
+
+def test_rlhf_imports_no_recipe() -> None:
+    """The recipes (recipes/, installed as zeropp_strategy.recipes, which import-linter cannot
+    see from inside the package) are built on rlhf's blocks; rlhf must not import them back
+    (``zeropp fit`` and ``zeropp pipeline``, which drive the recipes, live above it)."""
+    import ast
+
+    offenders = []
+    for path in sorted((ROOT / "zeropp_strategy" / "rlhf").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([node.module or ""] if isinstance(node, ast.ImportFrom)
+                     else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            if any(n == "zeropp_strategy.recipes" or n.startswith("zeropp_strategy.recipes.") for n in names):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not offenders, offenders

@@ -20,7 +20,7 @@ from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from zeropp_strategy.rlhf.cli import _REMOVED_PATHS as MOVED  # the old import path -> the new home
+from zeropp_strategy.fit import _REMOVED_PATHS as MOVED  # the old import path -> the new home
 
 
 def _resolve(path: str) -> object:

@@ -12,7 +12,7 @@ import sys
 import pytest
 import yaml
 
-from zeropp_strategy.rlhf.pipeline import load_recipe
+from zeropp_strategy.pipeline import load_recipe
 
 SMALL = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
          "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 384, "max_position_embeddings": 64,
@@ -96,7 +96,7 @@ def test_pipeline_rl_grpo_runs_sft_then_grpo_and_writes_the_summary(tmp_path):
 
 
 def test_embedded_grpo_recipe_shares_the_sft_stage_and_rl_is_checked():
-    from zeropp_strategy.rlhf.pipeline import main
+    from zeropp_strategy.pipeline import main
 
     grpo, ppo = load_recipe(None, rl="grpo"), load_recipe(None)
     assert set(grpo) == {"trainer", "sft", "grpo"}

@@ -37,14 +37,14 @@ def _demo(argv: list[str]) -> int:
 
 
 def _fit(argv: list[str]) -> int:
-    from zeropp_strategy.rlhf.cli import fit
+    from zeropp_strategy.fit import fit
 
     return fit(argv)
 
 
 def _pipeline(argv: list[str]) -> int:
     pipeline_parser("zeropp pipeline").parse_args(argv)
-    from zeropp_strategy.rlhf.pipeline import main
+    from zeropp_strategy.pipeline import main
 
     return main(argv, prog="zeropp pipeline")
 

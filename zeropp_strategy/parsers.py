@@ -17,7 +17,7 @@ from zeropp_strategy.errors import ArgumentParser
 __all__ = ["CONSOLIDATE_DTYPES", "PIPELINE_RL", "chat_parser", "consolidate_parser", "demo_parser", "pipeline_parser"]
 
 CONSOLIDATE_DTYPES = ("bf16", "fp16", "fp32")  # the keys of checkpoint.consolidate.DTYPES
-PIPELINE_RL = ("ppo", "grpo")  # zeropp pipeline --rl: the stages of rlhf.pipeline.RL_STAGES
+PIPELINE_RL = ("ppo", "grpo")  # zeropp pipeline --rl: the stages of pipeline.RL_STAGES
 
 
 def demo_parser(prog: str | None = None) -> argparse.ArgumentParser:

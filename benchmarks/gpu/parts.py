@@ -457,7 +457,7 @@ def part_two_ranks(args: argparse.Namespace, budget: Budget) -> dict:
 
 
 def part_pipeline(args: argparse.Namespace, budget: Budget) -> dict:
-    from zeropp_strategy.rlhf.pipeline import load_recipe, run_pipeline
+    from zeropp_strategy.pipeline import load_recipe, run_pipeline
 
     cuda = _cuda(args.dry_run)
     recipe = load_recipe(None)

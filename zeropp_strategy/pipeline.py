@@ -1,4 +1,4 @@
-"""``zeropp pipeline``: SFT -> reward model -> PPO, or SFT -> GRPO (``--rl grpo``), each
+"""Layer: commands. ``zeropp pipeline``: SFT -> reward model -> PPO, or SFT -> GRPO (``--rl grpo``), each
 stage reading the previous one's output.
 
     zeropp pipeline --output-dir runs/pipeline                      # the embedded default

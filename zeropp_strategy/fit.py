@@ -1,4 +1,4 @@
-"""``zeropp fit``: LightningCLI over the RLHF modules.
+"""Layer: commands. ``zeropp fit``: LightningCLI over the RLHF modules (the recipes).
 
     zeropp fit --config recipes/sft.yaml
     zeropp fit --config recipes/reward.yaml --model.model runs/sft/hf --trainer.max_steps 200
