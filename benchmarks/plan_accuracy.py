@@ -65,8 +65,9 @@ def run(args: argparse.Namespace) -> dict:
     runs: dict[str, list[dict]] = earlier.get("runs") or {f"{rate}/{s}": [] for rate, ss in CELLS.items() for s in ss}
     meta = earlier.get("meta") or {
         "command": "python benchmarks/plan_accuracy.py " + " ".join(sys.argv[1:]),
-        "date": datetime.date.today().isoformat(), "hardware": f"{platform.machine()} VM, {os.cpu_count()} CPU cores, no GPU", "steps": args.steps,
-        "warmup": args.warmup, "batch": args.batch, "bf16_matmul": args.bf16_matmul}
+        "date": datetime.date.today().isoformat(),
+        "hardware": f"{platform.machine()} VM, {os.cpu_count()} CPU cores, no GPU",
+        "steps": args.steps, "warmup": args.warmup, "batch": args.batch, "bf16_matmul": args.bf16_matmul}
     memory: dict[str, dict] = {}
     with SimCluster(rate="unlimited") as cluster:
         # at the batch the timed cells ran with (render plans at meta's batch)

@@ -200,7 +200,8 @@ def with_traced_activations(shape: ModelShape, spec: str, workload: Workload) ->
         return replace(shape, activation_trace=trace_activations(spec, workload),
                        activation_trace_16bit=trace_activations(spec, workload, params_16bit=True))
     except Exception as err:  # noqa: BLE001 - a model fake tensors cannot run: the formula stands in
-        return replace(shape, untraced=f"{type(err).__name__}: {str(err).partition(chr(10))[0][:200] or '(no message)'}")
+        first_line = str(err).partition("\n")[0][:200] or "(no message)"
+        return replace(shape, untraced=f"{type(err).__name__}: {first_line}")
 
 
 def model_shape(spec: str, *, lora: int = 0) -> ModelShape:
@@ -451,7 +452,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     if not 0 < args.mfu <= 1:
         raise UsageError(f"--mfu={args.mfu} is invalid", "use a fraction in (0, 1], e.g. 0.4")
     if not 0 <= args.overlap <= 1:
-        raise UsageError(f"--overlap={args.overlap} is invalid", "use a fraction in [0, 1]: 1 for GPUs, 0 for gloo on CPUs")
+        raise UsageError(f"--overlap={args.overlap} is invalid",
+                         "use a fraction in [0, 1]: 1 for GPUs, 0 for gloo on CPUs")
     if not args.tflops > 0:
         raise UsageError(f"--tflops={args.tflops} is invalid", "use the GPU's dense bf16 TFLOP/s, e.g. 989")
     if args.lora < 0:
