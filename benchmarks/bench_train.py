@@ -40,8 +40,8 @@ Measured per cell (rank 0 writes ``--out`` as JSON):
 - Lightning systems: every rank's model states after step ``STATES_STEP`` (storage bytes of
   parameters, gradients and optimizer state, ``engine.memory.memory_stats``) and the
   activations its first training forward saved for backward (``ActivationMeter``, the
-  memory plan's own meter); ours also the run's own plan (``session.estimates()``).
-  benchmarks/plan_accuracy.py sets these beside ``zeropp plan``'s figures.
+  memory plan's own meter). benchmarks/plan_accuracy.py sets these beside ``zeropp plan``'s
+  figures.
 """
 
 from __future__ import annotations
@@ -148,7 +148,6 @@ class Meter:
         self.losses: list[float] = []
         self.model_states: dict[str, int] = {}  # Lightning systems: bytes this rank holds
         self.activation_bytes: int | None = None
-        self.planned: dict | None = None  # ours: the run's own plan
 
     def veth_bytes(self) -> int:
         if self.stats is None:
@@ -183,7 +182,7 @@ class Meter:
         }
 
     def read_model(self, trainer, pl_module, batch_idx: int) -> None:  # noqa: ANN001
-        """Model states after step STATES_STEP, and ours' own plan (once)."""
+        """Model states after step STATES_STEP."""
         if batch_idx != STATES_STEP:
             return
         from zeropp_strategy.engine.memory import memory_stats
@@ -192,11 +191,6 @@ class Meter:
                              world_size=trainer.world_size)
         self.model_states = {"parameters": stats.param_bytes, "gradients": stats.grad_bytes,
                              "optimizer": stats.optimizer_bytes}
-        session = getattr(trainer.strategy, "session", None)
-        if session is not None:
-            (estimate,) = session.estimates().values()
-            self.planned = {"gpu": dict(estimate.gpu), "intra_bytes": estimate.intra_bytes,
-                            "inter_bytes": estimate.inter_bytes}
 
 
 # -- Lightning systems (ours, ddp, fsdp2) ---------------------------------------------------
@@ -361,7 +355,6 @@ def main() -> None:
         ledger_inter_bytes_per_step_by_kind={k: sum(p[1][k] for p in per_rank) for k in kinds},
         model_states_per_rank=[p[2] for p in per_rank],
         activation_bytes_per_rank=[p[3] for p in per_rank],
-        planned=meter.planned,
     )
     result["ledger_inter_bytes_per_step"] = sum(result["ledger_inter_bytes_per_step_by_kind"].values()) if kinds else None
     del result["peak_rss_bytes"]

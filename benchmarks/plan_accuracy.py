@@ -98,42 +98,40 @@ def _rate_bytes(rate: str) -> float:
     return math.inf if bits is None else bits / 8 * PAYLOAD
 
 
-def planned(batch: int) -> dict:
-    """``zeropp plan``'s figures for every system and rate, before calibration (compute at
-    1 TFLOP/s: the step is rescaled once the rate is known)."""
-    from zeropp_strategy.config import ZeroConfig
+def _model(batch: int):
+    """GPT-2 small as ``zeropp plan`` reads a user's model (a config.json folder, activations
+    traced), and the workload of a cell."""
     from zeropp_strategy.estimate import model_shape, with_traced_activations
-    from zeropp_strategy.plan import ByteModel, Cluster, Workload, cost, resolve
-    from zeropp_strategy.topology import Topology
+    from zeropp_strategy.plan import Workload
 
     with tempfile.TemporaryDirectory() as folder:
         gpt2("small").config.save_pretrained(folder)
         work = Workload(micro_batch=batch, seq_len=128)
-        shape = with_traced_activations(model_shape(folder), folder, work)
-    out = {"params": shape.params, "tokens": batch * 128, "cells": {}}
+        return with_traced_activations(model_shape(folder), folder, work), work
+
+
+def planned(shape, work, tflops: float) -> dict:  # noqa: ANN001
+    """``zeropp plan``'s figures for every system and rate, compute at ``tflops`` (the
+    calibrated rate, MFU 1), the step with the link hidden (``overlap`` 1) and not (0)."""
+    from zeropp_strategy.config import ZeroConfig
+    from zeropp_strategy.plan import ByteModel, Cluster, cost, resolve
+    from zeropp_strategy.topology import Topology
+
+    out = {}
     for rate, systems in CELLS.items():
         for system in systems:
-            cluster = Cluster(nodes=2, gpus_per_node=2, gpu_memory=0, host_memory=0, link=_rate_bytes(rate),
-                              intra_link=math.inf, tflops=1.0, mfu=1.0)
-            if system == "ddp":
-                e = cost(system, None, shape, cluster, work)
-            else:
-                plan = resolve(ZeroConfig(**ours_fields(system)), Topology(world_size=4, rank=0, ranks_per_node=2))
-                e = cost(system, plan, shape, cluster, work, b=ByteModel.of("bf16-mixed", plan))
-            out["cells"][f"{rate}/{system}"] = {
-                "inter_bytes": e.inter_bytes * 4, "model_states": sum(e.gpu.get(k, 0) for k in
-                                                                      ("parameters", "gradients", "optimizer")),
-                "activations": e.gpu["activations"], "compute_s": e.compute_s, "comm_s": e.comm_s,
-                "blocks": shape.blocks}
+            plan = (None if system == "ddp" else
+                    resolve(ZeroConfig(**ours_fields(system)), Topology(world_size=4, rank=0, ranks_per_node=2)))
+            b = ByteModel() if plan is None else ByteModel.of("bf16-mixed", plan)
+            e0, e1 = (cost(system, plan, shape, Cluster(nodes=2, gpus_per_node=2, gpu_memory=0, host_memory=0,
+                                                        link=_rate_bytes(rate), intra_link=math.inf, tflops=tflops,
+                                                        mfu=1.0, overlap=overlap), work, b=b)
+                      for overlap in (0.0, 1.0))
+            out[f"{rate}/{system}"] = {
+                "inter_bytes": e0.inter_bytes * 4, "activations": e0.gpu["activations"],
+                "model_states": sum(e0.gpu.get(k, 0) for k in ("parameters", "gradients", "optimizer")),
+                "step_overlap0": e0.step_s, "step_overlap1": e1.step_s}
     return out
-
-
-def _step(p: dict, compute_s: float, overlap: float) -> float:
-    """``plan.cost``'s step ([Note: the estimate]) with the calibrated compute time: with
-    ``overlap`` 1 the link hides behind compute but for one block's share (GPUs), with 0 the
-    two add up (gloo on this CPU)."""
-    hidden = max(compute_s, p["comm_s"]) + p["comm_s"] / max(p["blocks"], 1)
-    return overlap * hidden + (1 - overlap) * (compute_s + p["comm_s"])
 
 
 def _median_cells(runs: dict[str, list[dict]]) -> dict[str, dict]:
@@ -149,12 +147,13 @@ def _median_cells(runs: dict[str, list[dict]]) -> dict[str, dict]:
 
 def render(data: dict) -> str:
     meta = data["meta"]
-    plan, measured = planned(meta["batch"]), _median_cells(data["runs"])
+    measured = _median_cells(data["runs"])
     if "step_s" not in measured.get(CALIBRATION, {}):
         return f"no calibration: {CALIBRATION} did not run ({measured.get(CALIBRATION)})"
-    # the plan's compute was priced at 1 TFLOP/s: scaled to the calibration cell's measured step
-    scale = measured[CALIBRATION]["step_s"] / plan["cells"][CALIBRATION]["compute_s"]
-    rate = 6 * plan["params"] * plan["tokens"] / measured[CALIBRATION]["step_s"]
+    shape, work = _model(meta["batch"])
+    # the one fitted number: the rate at which the plan's compute (6 P per token) takes DDP's step
+    rate = 6 * shape.params * work.micro_batch * work.seq_len / measured[CALIBRATION]["step_s"]
+    plan = planned(shape, work, rate / 1e12)
     lines = [f"Command: `{meta['command']}` ({meta['date']}, {meta['hardware']}; {len(data['runs'][CALIBRATION])} "
              f"run(s) per cell, {meta['steps']} steps of which {meta['warmup']} warm-up, `--bf16-matmul "
              f"{meta['bf16_matmul']}`). Calibrated compute rate: {rate / 1e9:.1f} GFLOP/s per rank (`6 P` per "
@@ -165,15 +164,14 @@ def render(data: dict) -> str:
         if "error" in m:
             lines.append(f"| {key} | failed: {m['error']} | | | | |")
             continue
-        p = plan["cells"][key]
-        serial, hidden = (_step(p, p["compute_s"] * scale, overlap) for overlap in (0.0, 1.0))
+        serial, hidden = plan[key]["step_overlap0"], plan[key]["step_overlap1"]
         note = " (calibration)" if key == CALIBRATION else ""
         lines.append(f"| {key}{note} | {m['step_s']:.3f} ({', '.join(f'{x:.3f}' for x in m['runs'])}) | {serial:.3f} "
                      f"| {serial / m['step_s']:.2f} | {hidden:.3f} | {hidden / m['step_s']:.2f} |")
     lines += ["", "| system | cross-node MB per step: ledger / planned | model states MiB per rank: measured / planned "
               "| activations MiB per rank: measured / planned |", "|---|---|---|---|"]
     for system in MEMORY:
-        m, p, mem = measured.get(f"200mbit/{system}", {}), plan["cells"][f"200mbit/{system}"], data.get("memory", {})
+        m, p, mem = measured.get(f"200mbit/{system}", {}), plan[f"200mbit/{system}"], data.get("memory", {})
         if m.get("ledger"):
             inter = f"{m['ledger'] / MB:.2f} / {p['inter_bytes'] / MB:.2f} ({p['inter_bytes'] / m['ledger']:.3f})"
         elif "veth" in m:  # Lightning's DDP keeps no ledger: the veth's bytes, TCP/IP headers included
