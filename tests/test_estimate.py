@@ -347,3 +347,21 @@ def test_overlap_moves_the_step_from_the_larger_of_compute_and_link_to_their_sum
     assert rows[1.0].step_s == pytest.approx(max(c, link) + link / 10)
     assert rows[0.0].step_s == pytest.approx(c + link)
     assert rows[0.5].step_s == pytest.approx((rows[1.0].step_s + rows[0.0].step_s) / 2)
+
+
+def test_offload_time_is_the_host_step_and_the_pcie_copies() -> None:
+    """With offload the optimizer state is stepped on the host and never crosses PCIe: the
+    gradient shards go down once, the parameter shards up once after the step (optimizer
+    offload) or for each gather, forward and backward (parameter offload too). The rates
+    are the ones docs/plan.md took from one H200 ("On one GPU")."""
+    from zeropp_strategy.plan import HOST_BYTES_PER_S, PCIE_BYTES_PER_S
+
+    rows = _rows(_shape(1e9, root=1e8, blocks=10), nodes=1, gpus_per_node=1)
+    params = grads = 4e9  # fp32 shards of the whole model on one rank
+    optimizer = 8e9
+    opt_only = rows["zeropp_stage_3 + offload_optimizer=cpu"]
+    both = rows["zeropp_offload"]
+    assert opt_only.host["optimizer"] == both.host["optimizer"] == optimizer
+    assert opt_only.offload_s == pytest.approx(optimizer / HOST_BYTES_PER_S + (grads + params) / PCIE_BYTES_PER_S)
+    assert both.offload_s == pytest.approx(optimizer / HOST_BYTES_PER_S + (grads + 2 * params) / PCIE_BYTES_PER_S)
+    assert rows["ddp"].offload_s == 0

@@ -68,8 +68,11 @@ of ``L`` GPUs, ``N = M L`` ranks.
   overlap with); with ``Cluster.overlap`` below 1 (``--overlap``: gloo on CPUs, where
   communication takes the cores compute needs) that share of the step moves toward
   compute + link. A node's cross-node bytes share its link (``--link`` per node), a GPU's
-  intra-node bytes its ``--intra-link``. Offloaded optimizer state adds the host step and
-  the PCIe copies (``HOST_BYTES_PER_S``, ``PCIE_BYTES_PER_S``), not overlapped.
+  intra-node bytes its ``--intra-link``. Offload adds, not overlapped, the host's AdamW
+  step over the optimizer state (``HOST_BYTES_PER_S``) and the PCIe copies
+  (``PCIE_BYTES_PER_S``): the gradient shards down once, the parameter shards up once after
+  the step, or twice (each gather) when they live on the host; NVMe adds the state's read
+  and write (``NVME_BYTES_PER_S``).
 
 It is an estimate: the measured MFU, the allocator's fragmentation and the framework's
 buffers decide the rest. ``zeropp plan --json`` and ``ZeroSession.explain`` give every term, so a
@@ -526,8 +529,12 @@ class ConfigEstimate:
 
 RUNTIME_GPU_BYTES = 2 * 2**30  # CUDA context, cuBLAS workspaces, allocator slack
 RUNTIME_HOST_BYTES = 2**30  # per rank: Python, torch, the framework
-HOST_BYTES_PER_S = 10e9  # a host AdamW step, bytes of state per second per rank
-PCIE_BYTES_PER_S = 25e9  # host <-> GPU copies per rank
+# Offload rates per rank, from one H200 with a 16-core host to itself (docs/gpu.md, 2026-11-27):
+# the measured offload time, 3.8e-10 s per parameter at 0.95B and 4.0e-10 at 4.3B, is both
+# terms below together (they scale alike with the model, so the two runs measure only their
+# sum); the split between them is PCIe 5.0 x16's usual pinned-copy rate, not a measurement.
+HOST_BYTES_PER_S = 50e9  # a host AdamW step, bytes of optimizer state per second per rank
+PCIE_BYTES_PER_S = 50e9  # host <-> GPU copies per rank
 NVME_BYTES_PER_S = 3e9  # per node
 GPU_HEADROOM = 0.95  # of the GPU memory a plan may fill
 
@@ -616,8 +623,10 @@ def cost(name: str, plan: Plan | None, model: ModelShape, cluster: Cluster, work
         e.gpu["unsharded_gradients"] = G * min(T, max(m.largest_block, m.root_params))
         if hpz_group > 1:  # the secondary shard, in the gather's dtype (never with frozen codes: hpZ is off there)
             e.gpu["hpz_secondary"] = C * P / hpz_group
+    stepped_on_host = moved_down = 0.0  # optimizer state the host steps, gradient bytes copied down
     if opt_off != "none":
         state = {"optimizer": e.gpu.pop("optimizer"), "gradients": e.gpu.pop("gradients")}
+        stepped_on_host, moved_down = state["optimizer"], state["gradients"]
         if opt_off == "cpu":
             e.host.update(state)
         else:
@@ -625,8 +634,11 @@ def cost(name: str, plan: Plan | None, model: ModelShape, cluster: Cluster, work
             e.host["nvme_buffers"] = min(sum(state.values()), 2 * 2**30)  # staging, as the memory plan sizes it
     if par_off != "none" and opt_off == "none":  # FSDP2's CPUOffloadPolicy: the step runs beside the shards
         e.host.update(optimizer=e.gpu.pop("optimizer"), gradients=e.gpu.pop("gradients"))
+        stepped_on_host, moved_down = e.host["optimizer"], e.host["gradients"]
+    moved_up = e.gpu.get("parameters", 0.0)  # once, after the host step
     if par_off != "none":
         shard = e.gpu.pop("parameters")
+        moved_up = 2 * shard  # for each gather: forward and backward
         if par_off == "cpu":
             e.host["parameters"] = shard
         else:
@@ -681,9 +693,10 @@ def cost(name: str, plan: Plan | None, model: ModelShape, cluster: Cluster, work
         e.compute_s = flops / (c.tflops * 1e12 * c.mfu)
     link_s = e.inter_bytes * L / c.link + e.intra_bytes / c.intra_link
     e.comm_s = link_s
-    moved = sum(e.host.get(k, 0.0) for k in ("optimizer", "gradients", "parameters"))
     if opt_off != "none" or par_off != "none":
-        e.offload_s = e.host.get("optimizer", 0.0) / HOST_BYTES_PER_S + 2 * moved / PCIE_BYTES_PER_S
+        # over PCIe: the gradient shards down once, the parameter shards up (moved_up); the
+        # optimizer state stays where it is stepped (on NVMe it is also read and written)
+        e.offload_s = stepped_on_host / HOST_BYTES_PER_S + (moved_down + moved_up) / PCIE_BYTES_PER_S
         if e.disk:
             e.offload_s += 2 * e.disk / NVME_BYTES_PER_S
     hidden = max(e.compute_s, link_s) + link_s / max(m.blocks, 1)
