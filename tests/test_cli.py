@@ -102,7 +102,7 @@ def test_help_and_import_load_neither_torch_nor_lightning(tmp_path: Path) -> Non
     assert re.search(r"^\s+fit\s.*zeropp fit\s+--help", proc.stdout, re.M | re.S), proc.stdout
 
 
-@pytest.mark.parametrize("first", ["zeropp_strategy", "lightning.pytorch", "zeropp_strategy.strategy"])
+@pytest.mark.parametrize("first", ["zeropp_strategy", "lightning.pytorch", "zeropp_strategy.lightning.strategy"])
 def test_import_registers_the_names_in_either_order(first: str, tmp_path: Path) -> None:
     code = (
         "import sys\n"

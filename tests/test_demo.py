@@ -125,9 +125,9 @@ def test_rank_report_skips_what_a_plain_strategy_lacks() -> None:
 
 def _strategy_missing() -> str | None:
     try:
-        import zeropp_strategy.strategy  # noqa: F401
+        import zeropp_strategy.lightning.strategy  # noqa: F401
     except ImportError as exc:
-        return f"zeropp_strategy.strategy is not importable yet ({exc})"
+        return f"zeropp_strategy.lightning.strategy is not importable yet ({exc})"
     return None
 
 

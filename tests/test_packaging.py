@@ -65,6 +65,9 @@ def test_wheel_maps_callbacks_and_recipes_under_the_package(wheel_names: list[st
         "zeropp_strategy/__init__.py",
         "zeropp_strategy/cli.py",
         "zeropp_strategy/demo.py",
+        "zeropp_strategy/lightning/__init__.py",  # the Lightning front-end's package (pyproject's `packages`)
+        "zeropp_strategy/lightning/strategy.py",
+        "zeropp_strategy/accelerate/__init__.py",
         "zeropp_strategy/callbacks/__init__.py",
         "zeropp_strategy/recipes/__init__.py",
         "zeropp_strategy/data/tiny_corpus.txt",

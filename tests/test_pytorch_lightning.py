@@ -1,11 +1,12 @@
 """The strategy under the standalone ``pytorch_lightning`` package ([Note: two Lightning
-packages] in zeropp_strategy/_pytorch_lightning.py): its own classes, importable and
+packages] in zeropp_strategy/lightning/_pytorch_lightning.py): its own classes, importable and
 picklable by name, and training, evaluating (uneven loaders at stage 3) and resuming as
 the ``lightning.pytorch`` strategy does, which is the reference."""
 
 from __future__ import annotations
 
 import pickle
+import subprocess
 import sys
 
 import pytest
@@ -17,8 +18,8 @@ pl = pytest.importorskip("pytorch_lightning")
 
 def test_the_standalone_package_gets_its_own_module_level_classes():
     import zeropp_strategy
-    from zeropp_strategy import _pytorch_lightning
     from zeropp_strategy._registry import pytorch_lightning_strategy
+    from zeropp_strategy.lightning import _pytorch_lightning
 
     trainer = pl.Trainer(strategy="zeropp_stage_3", accelerator="cpu", devices=2, logger=False,
                          precision="bf16-mixed")
@@ -32,12 +33,31 @@ def test_the_standalone_package_gets_its_own_module_level_classes():
     assert isinstance(strategy._launcher, pl.strategies.launchers.launcher._Launcher)
     for cls in (_pytorch_lightning.ZeroPPStrategy, _pytorch_lightning.ZeroPPPrecision,
                 _pytorch_lightning.ResumingLauncher):
-        assert cls.__module__ == "zeropp_strategy._pytorch_lightning"
+        assert cls.__module__ == "zeropp_strategy.lightning._pytorch_lightning"
         assert pickle.loads(pickle.dumps(cls)) is cls
     copy = pickle.loads(pickle.dumps(strategy))
     assert type(copy) is _pytorch_lightning.ZeroPPStrategy and copy.stage == 3
     # nothing executed under made-up module names (what the rewritten-source mirror did)
     assert not [name for name in sys.modules if name.startswith("zeropp_strategy._pl_")]
+
+
+@pytest.mark.parametrize("first", ["pytorch_lightning", "zeropp_strategy"])
+def test_both_packages_get_the_names_when_pytorch_lightning_comes_first(first, tmp_path):
+    """``import pytorch_lightning`` before ``import zeropp_strategy``: registering with it
+    imports ``lightning.pytorch`` (the mixins' module imports it), and that package gets
+    the names too."""
+    code = (
+        f"import {first}\n"
+        "import pytorch_lightning, zeropp_strategy\n"
+        "from lightning.fabric.strategies import STRATEGY_REGISTRY\n"
+        "from lightning.pytorch.strategies import StrategyRegistry\n"
+        "from pytorch_lightning.strategies import StrategyRegistry as PLRegistry\n"
+        "print('RESULT', [name in registry for name in ('zeropp', 'zeropp_stage_3')\n"
+        "                 for registry in (StrategyRegistry, STRATEGY_REGISTRY, PLRegistry)])\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert f"RESULT {[True] * 6}" in proc.stdout, proc.stdout + proc.stderr[-2000:]
 
 
 def test_resume_auto_reads_the_standalone_model_checkpoint(tmp_path):
@@ -124,8 +144,8 @@ def test_pytorch_lightning_trains_and_evaluates_as_lightning_does():
     results = run_ranks(_train_under_both_packages, 2, timeout_s=240)
     for rank, got in enumerate(results):
         ref, other = got["lightning.pytorch"], got["pytorch_lightning"]
-        assert ref["strategy"] == "zeropp_strategy.strategy"
-        assert other["strategy"] == "zeropp_strategy._pytorch_lightning"
+        assert ref["strategy"] == "zeropp_strategy.lightning.strategy"
+        assert other["strategy"] == "zeropp_strategy.lightning._pytorch_lightning"
         assert ref["state"].keys() == other["state"].keys() and ref["state"]
         for name, value in ref["state"].items():
             assert other["state"][name].equal(value), (rank, name)

@@ -1,8 +1,10 @@
 """The RLHF LightningModules live in ``recipes/`` (``zeropp_strategy.recipes``), beside their
 YAML: the old homes in ``zeropp_strategy.rlhf`` are gone (docs/changes.md) and a recipe that
-names one is told the new home in one line, importing the package for its YAML loads neither
-torch nor Lightning, and sampling hands the KV cache over by the name the installed
-transformers takes (``cache`` in 5.x, ``past_key_values`` in 4.x), so it warns nothing."""
+names one is told the new home in one line (so is one naming the Lightning strategy or
+precision plugin by its module before the move to ``zeropp_strategy.lightning``), importing
+the package for its YAML loads neither torch nor Lightning, and sampling hands the KV cache
+over by the name the installed transformers takes (``cache`` in 5.x, ``past_key_values`` in
+4.x), so it warns nothing."""
 
 from __future__ import annotations
 
@@ -83,6 +85,27 @@ def test_a_recipe_with_an_old_class_path_is_told_the_new_home(tmp_path: Path, ca
     err = capsys.readouterr().err.strip()
     assert err == ("error: zeropp fit: class_path 'zeropp_strategy.rlhf.modules.SFTModule' was removed. Fix: use "
                    "'zeropp_strategy.recipes.sft.SFTModule', the class's home since the recipes moved to recipes/"), err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_recipe_naming_the_strategy_by_its_old_module_is_told_the_new_home(
+        tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Lightning front-end moved to ``zeropp_strategy.lightning`` (docs/changes.md): a
+    recipe whose trainer names ``zeropp_strategy.strategy.ZeroPPStrategy`` gets one line."""
+    from zeropp_strategy.cli import main
+
+    recipe = tmp_path / "old.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "model": {"class_path": "zeropp_strategy.recipes.sft.SFTModule"},
+        "trainer": {"default_root_dir": str(tmp_path / "run"),
+                    "strategy": {"class_path": "zeropp_strategy.strategy.ZeroPPStrategy"}}}))
+    argv = ["fit", "--config", str(recipe)]
+    monkeypatch.setattr(sys, "argv", ["zeropp", *argv])
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("error: zeropp fit: class_path 'zeropp_strategy.strategy.ZeroPPStrategy' was removed. Fix: use "
+                   "'zeropp_strategy.lightning.strategy.ZeroPPStrategy', the class's home since the Lightning "
+                   "front-end moved to zeropp_strategy.lightning"), err
     assert not (tmp_path / "run").exists()
 
 

@@ -63,7 +63,7 @@ def _lightning(stage: int, world: int, rank: int, traces: dict) -> None:
     from lightning.pytorch import Callback, LightningModule, Trainer
 
     from tests._models import trainer_kwargs
-    from zeropp_strategy.strategy import ZeroPPStrategy
+    from zeropp_strategy.lightning.strategy import ZeroPPStrategy
 
     class Module(LightningModule):
         def configure_model(self):

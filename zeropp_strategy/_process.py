@@ -1,7 +1,9 @@
 """Layer: front-end (Lightning and Fabric). Process plumbing shared by the Lightning
-(``strategy.py``) and Fabric (``fabric.py``) strategies: world sizes, starting the session
-(``ZeroSession.start`` creates the process group through Lightning's cluster environment),
-barriers, object broadcasts and the front-ends' ``all_gather`` (booked in the session's ledger).
+(``lightning/strategy.py``) and Fabric (``fabric.py``) strategies: world sizes, starting the
+session (``ZeroSession.start`` creates the process group through Lightning's cluster
+environment), barriers, object broadcasts and the front-ends' ``all_gather`` (booked in the
+session's ledger). It sits beside the ``lightning/`` package, not in it, because Fabric's
+strategy inherits it too (the front-ends import nothing from each other).
 
 Both front-ends' ``ParallelStrategy`` base classes ask for the same members; this mixin,
 listed first among the bases, supplies them once. A host class sets ``config``,

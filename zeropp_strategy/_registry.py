@@ -1,4 +1,5 @@
-"""Register our strategy names with every Lightning flavour in use, when it is imported.
+"""Layer: front-end registry (above the front-ends). Register our strategy names with every
+Lightning flavour in use, when it is imported.
 
 ``import zeropp_strategy`` must not import Lightning (``zeropp --help`` would pay seconds
 for it), yet ``import zeropp_strategy`` then ``Trainer(strategy="zeropp")`` must work,
@@ -9,16 +10,17 @@ hook of its own for this (no entry-point group for strategies: its only entry po
 ``lightning.pytorch.callbacks_factory``, are read after the strategy name is checked).
 
 [Note: registering only between our own imports]
-Registering imports ``zeropp_strategy.strategy`` and everything it imports. If Lightning is
-first imported *by* one of our modules (``import zeropp_strategy.strategy`` in a fresh
-process), registering at that moment would meet that module half-initialized. So the
-finder also watches our own submodules and registers only when none is executing: after
-the outermost one completes.
+Registering imports ``zeropp_strategy.lightning.strategy`` and everything it imports. If
+Lightning is first imported *by* one of our modules (``import
+zeropp_strategy.lightning.strategy`` in a fresh process), registering at that moment would
+meet that module half-initialized. So the finder also watches our own submodules (every
+``zeropp_strategy.*``, at any depth) and registers only when none is executing: after the
+outermost one completes.
 
 ``lightning.pytorch`` and the standalone ``pytorch_lightning`` are separate packages
 with separate base classes: a ``lightning.pytorch`` strategy is rejected by a
 ``pytorch_lightning.Trainer``. So ``pytorch_lightning`` gets its own ``ZeroPPStrategy``,
-from ``_pytorch_lightning.py`` (see [Note: two Lightning packages] there).
+from ``lightning/_pytorch_lightning.py`` (see [Note: two Lightning packages] there).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def pytorch_lightning_strategy() -> type | None:
     """``ZeroPPStrategy`` for ``pytorch_lightning.Trainer``, or None if not installed."""
     if importlib.util.find_spec("pytorch_lightning") is None:
         return None
-    from zeropp_strategy._pytorch_lightning import ZeroPPStrategy
+    from zeropp_strategy.lightning._pytorch_lightning import ZeroPPStrategy
 
     return ZeroPPStrategy
 
@@ -56,7 +58,7 @@ def _register_lightning() -> None:
     from lightning.pytorch.strategies import StrategyRegistry
 
     from zeropp_strategy.fabric import ZeroPPFabricStrategy
-    from zeropp_strategy.strategy import ZeroPPStrategy
+    from zeropp_strategy.lightning.strategy import ZeroPPStrategy
 
     ZeroPPStrategy.register_strategies(StrategyRegistry)
     ZeroPPFabricStrategy.register_strategies(STRATEGY_REGISTRY)
@@ -144,6 +146,9 @@ def register_when_imported() -> None:
     as they are imported."""
     _pending.update(_TARGETS)
     _imported.update(package for package in _TARGETS if package in sys.modules)
-    _register_ready()
-    if _pending and _FINDER not in sys.meta_path:
+    # The finder goes in first: registering with one package may import the other (the
+    # standalone pytorch_lightning's classes import lightning.pytorch's), and that import
+    # must be seen; _register_ready takes the finder out once nothing is pending.
+    if _FINDER not in sys.meta_path:
         sys.meta_path.insert(0, _FINDER)
+    _register_ready()

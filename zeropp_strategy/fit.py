@@ -41,13 +41,21 @@ _HELP = "run `zeropp fit --help` for fit's fields (a module's own: `zeropp fit -
 _NOISE = ("Does not validate against any of the", "Subtypes:", "Errors:", "Expected a <class 'NoneType'>",
           "Given value")
 _UNKNOWN_OPTION = re.compile(r"class_path '([\w.]+)':\s*Option '(\w+)' is not accepted")
-# Import paths removed on 2026-11-27 (docs/changes.md) -> the class's home: a recipe naming one is told where it went
+# Import paths removed on 2026-11-27 (docs/changes.md) -> the class's home: a recipe naming one
+# (the model's class_path, or the trainer's strategy or plugins) is told where it went
 _REMOVED_PATHS = {
     "zeropp_strategy.rlhf.modules.SFTModule": "zeropp_strategy.recipes.sft.SFTModule",
     "zeropp_strategy.rlhf.modules.RewardModule": "zeropp_strategy.recipes.reward.RewardModule",
     "zeropp_strategy.rlhf.modules.DPOModule": "zeropp_strategy.recipes.dpo.DPOModule",
     "zeropp_strategy.rlhf.ppo.PPOModule": "zeropp_strategy.recipes.ppo.PPOModule",
     "zeropp_strategy.rlhf.grpo.GRPOModule": "zeropp_strategy.recipes.grpo.GRPOModule",
+    "zeropp_strategy.strategy.ZeroPPStrategy": "zeropp_strategy.lightning.strategy.ZeroPPStrategy",
+    "zeropp_strategy.precision.ZeroPPPrecision": "zeropp_strategy.lightning.precision.ZeroPPPrecision",
+}
+# the new home's package -> the move that put the class there (the fix names it)
+_MOVES = {
+    "zeropp_strategy.recipes.": "the recipes moved to recipes/",
+    "zeropp_strategy.lightning.": "the Lightning front-end moved to zeropp_strategy.lightning",
 }
 _UNKNOWN_TRAINER_FIELD = re.compile(r"(?:unrecognized arguments: --|does not accept option ')trainer\.(\w+)")
 
@@ -76,8 +84,10 @@ def _usage_error(err: ArgumentError) -> UsageError:
                           "pass a recipe, e.g. `zeropp fit --config recipes/sft.yaml`, or --model CLASS; " + _HELP)
     moved = next((old for old in _REMOVED_PATHS if f"'{old}'" in message), None)
     if moved is not None:
+        home = _REMOVED_PATHS[moved]
+        why = next(move for package, move in _MOVES.items() if home.startswith(package))
         return UsageError(f"zeropp fit: class_path {moved!r} was removed",
-                          f"use {_REMOVED_PATHS[moved]!r}, the class's home since the recipes moved to recipes/")
+                          f"use {home!r}, the class's home since {why}")
     lines = [line.strip().removeprefix("- ") for line in message.splitlines()]
     return _unknown_field(message) or UsageError(
         "zeropp fit: " + " ".join(line for line in lines if line and not line.startswith(_NOISE)), _HELP)

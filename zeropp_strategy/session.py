@@ -18,7 +18,7 @@ framework imported.
     session.close()
 
 The three front-ends are adapters over this object: the Lightning strategy
-(``strategy.py``), the Fabric strategy (``fabric.py``) and ``ZeroPPAccelerator``
+(``lightning/strategy.py``), the Fabric strategy (``fabric.py``) and ``ZeroPPAccelerator``
 (``accelerate/``) translate their framework's hooks into these calls and hold no lifecycle
 logic of their own. What is below it: ``engine.core.ZeroEngine`` applies the plan to
 modules and optimizers (one ``prepare`` for every stage), ``engine.guards`` keeps the ranks

@@ -1,7 +1,7 @@
 """Layer: engine. The framework-free half of precision: the dtype policy each precision
 flag means under ZeRO, the sharded grad scaler, and gradient clipping over shards. No
-training framework is imported here; the Lightning plugin ``zeropp_strategy.precision.
-ZeroPPPrecision`` is this policy plus Lightning's hooks, and the Fabric and Accelerate
+training framework is imported here; the Lightning plugin ``zeropp_strategy.lightning.
+precision.ZeroPPPrecision`` is this policy plus Lightning's hooks, and the Fabric and Accelerate
 front-ends use these pieces directly.
 
 | flag         | params held (sharded at 2/3) | compute    | grad reduce | master |

@@ -1,6 +1,6 @@
 """Layer: front-end (Lightning). Checkpoint hooks of ``ZeroPPStrategy``: Lightning's checkpoint
 dict saved and loaded in our two formats (``state_dict_type``: one sharded directory, or one
-full file written by rank 0), through ``checkpoint/lightning.py``. A mixin of the strategy
+full file written by rank 0), through ``zeropp_strategy/checkpoint/lightning.py``. A mixin of the strategy
 (listed before ``ParallelStrategy``), kept apart so that strategy.py reads as the adapter it
 is; it names no Lightning package, so both flavours' strategies share it.
 

@@ -6,8 +6,8 @@ package: the same strategy, precision plugin and launcher as ``strategy.py``,
     import zeropp_strategy  # registers the names with pytorch_lightning when it is imported
     pl.Trainer(strategy="zeropp_stage_2", accelerator="cpu", devices=2)
 
-Imported on first use by ``_registry.pytorch_lightning_strategy()``, never by
-``import zeropp_strategy``.
+Imported on first use by ``pytorch_lightning_strategy()`` (``zeropp_strategy/_registry.py``),
+never by ``import zeropp_strategy``.
 
 [Note: two Lightning packages]
 ``lightning.pytorch`` and the standalone ``pytorch_lightning`` are the same code shipped
@@ -20,8 +20,8 @@ only its base class and a short table of its own names, the ``_..._cls`` attribu
 classes a hook builds or checks with ``isinstance`` (``_ResultCollection``,
 ``ModelCheckpoint``, the forward redirections), its ``TrainerFn`` and
 ``prepare_for_backward``. ``lightning.fabric``'s functions (``_sync_ddp_if_available``,
-``_optimizers_to_device``, ``rank_zero_info``) are imported once, as ``_process.py`` does;
-they build no class a trainer checks.
+``_optimizers_to_device``, ``rank_zero_info``) are imported once, as
+``zeropp_strategy/_process.py`` does; they build no class a trainer checks.
 
 Why mixins and not a class factory (one function that defines the classes, called once per
 package with its namespace): with mixins every class is written once, at module level, where
@@ -44,23 +44,23 @@ from pytorch_lightning.strategies.strategy import _ForwardRedirection
 from pytorch_lightning.trainer.connectors.logger_connector.result import _ResultCollection
 from pytorch_lightning.trainer.states import TrainerFn
 
-from zeropp_strategy.precision import PrecisionMixin
-from zeropp_strategy.resume import ResumingLauncherMixin
-from zeropp_strategy.strategy import StrategyMixin
+from zeropp_strategy.lightning.precision import PrecisionMixin
+from zeropp_strategy.lightning.resume import ResumingLauncherMixin
+from zeropp_strategy.lightning.strategy import StrategyMixin
 
 __all__ = ["ResumingLauncher", "ZeroPPPrecision", "ZeroPPStrategy"]
 
 
 class ZeroPPPrecision(PrecisionMixin, Precision):
-    """``zeropp_strategy.precision.ZeroPPPrecision`` for ``pytorch_lightning``."""
+    """``zeropp_strategy.lightning.precision.ZeroPPPrecision`` for ``pytorch_lightning``."""
 
 
 class ResumingLauncher(ResumingLauncherMixin, _SubprocessScriptLauncher):
-    """``zeropp_strategy.resume.ResumingLauncher`` for ``pytorch_lightning``."""
+    """``zeropp_strategy.lightning.resume.ResumingLauncher`` for ``pytorch_lightning``."""
 
 
 class ZeroPPStrategy(StrategyMixin, ParallelStrategy):
-    """``zeropp_strategy.strategy.ZeroPPStrategy`` (the same arguments) for
+    """``zeropp_strategy.lightning.strategy.ZeroPPStrategy`` (the same arguments) for
     ``pytorch_lightning.Trainer``."""
 
     # pytorch_lightning's own names ([Note: two Lightning packages])

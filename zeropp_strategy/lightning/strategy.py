@@ -52,7 +52,6 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from zeropp_strategy._process import ProcessMixin
-from zeropp_strategy.checkpoint_hooks import CheckpointMixin
 from zeropp_strategy.comm.ledger import CommLedger, Phase
 from zeropp_strategy.config import ZeroConfig
 from zeropp_strategy.engine.core import ZeroEngine
@@ -60,13 +59,12 @@ from zeropp_strategy.engine.fsdp import ShardedRoot, fsdp_modules
 from zeropp_strategy.engine.guards import check_nonfinite_policy
 from zeropp_strategy.engine.memory import MemoryStats, memory_stats
 from zeropp_strategy.engine.meta_init import build_context, has_meta
-from zeropp_strategy.evaluation import EvaluationMixin
-from zeropp_strategy.precision import PrecisionMixin, ZeroPPPrecision
-from zeropp_strategy.resume import ResumingLauncher, check_same_choice, resume_path
+from zeropp_strategy.lightning.checkpoint_hooks import CheckpointMixin
+from zeropp_strategy.lightning.evaluation import EvaluationMixin
+from zeropp_strategy.lightning.precision import PrecisionMixin, ZeroPPPrecision
+from zeropp_strategy.lightning.resume import ResumingLauncher, check_same_choice, resume_path
 from zeropp_strategy.session import ZeroSession
 from zeropp_strategy.topology import Meshes, Topology
-
-_ResumingLauncher = ResumingLauncher  # its old name
 
 
 class StrategyMixin(CheckpointMixin, EvaluationMixin, ProcessMixin):

@@ -3,9 +3,9 @@
 ZeRO: the table in zeropp_strategy/engine/precision.py) plus Lightning's hooks (init and
 forward contexts, loss scaling around the optimizer step, gradient clipping, scaler state).
 
-The framework-free pieces live in the engine and are re-exported here, where they have
-always been importable from: ``ShardedGradScaler`` ([Note: global inf check]),
-``clip_grad_norm`` and its stage variants, ``clip_grad_value``, ``local_grads``.
+The framework-free pieces live in the engine and are imported from there:
+``ShardedGradScaler`` ([Note: global inf check]), ``clip_grad_norm`` and its stage variants,
+``clip_grad_value``, ``local_grads`` (``zeropp_strategy.engine.precision``).
 
 The hooks are ``PrecisionMixin``, which names no Lightning package; ``ZeroPPPrecision`` is
 that mixin on ``lightning.pytorch``'s ``Precision``, and ``_pytorch_lightning.py`` puts it on
@@ -22,32 +22,10 @@ from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor
 from torch.optim import LBFGS, Optimizer
 
-from zeropp_strategy.engine.precision import (
-    SUPPORTED,
-    PrecisionFlag,
-    PrecisionPolicy,
-    ShardedGradScaler,
-    clip_grad_norm,
-    clip_grad_norm_params,
-    clip_grad_norm_rows,
-    clip_grad_value,
-    local_grads,
-)
+from zeropp_strategy.engine.precision import PrecisionPolicy, clip_grad_norm, clip_grad_value
 from zeropp_strategy.engine.stage1 import ShardedOptimizer
 
-__all__ = [  # the plugin, and the engine's pieces re-exported from their old home
-    "SUPPORTED",
-    "PrecisionFlag",
-    "PrecisionMixin",
-    "ShardedGradScaler",
-    "ZeroPPPrecision",
-    "clip_grad_norm",
-    "clip_grad_norm_params",
-    "clip_grad_norm_rows",
-    "clip_grad_value",
-    "from_lightning_plugin",
-    "local_grads",
-]
+__all__ = ["PrecisionMixin", "ZeroPPPrecision"]
 
 
 class PrecisionMixin(PrecisionPolicy):
@@ -139,5 +117,3 @@ class ZeroPPPrecision(PrecisionMixin, Precision):
     """Lightning precision plugin for ``ZeroPPStrategy`` (any of the flags in the table of
     engine/precision.py): ``PrecisionMixin`` on ``lightning.pytorch``'s ``Precision``."""
 
-
-from_lightning_plugin = ZeroPPPrecision.from_lightning_plugin  # its old name

@@ -3,7 +3,7 @@ predict steps, uneven evaluation loaders at stage 3, and freeing what a forward-
 left gathered. A mixin of the strategy (listed before ``ParallelStrategy``), kept apart so
 that strategy.py reads as the adapter it is.
 
-Uneven loaders: see [Note: uneven evaluation] in engine/uneven.py.
+Uneven loaders: see [Note: uneven evaluation] in zeropp_strategy/engine/uneven.py.
 
 No Lightning package is named here, so both flavours' strategies share the mixin; the one
 class it builds, the loop's ``_ResultCollection``, is the host's ``_result_collection_cls``.
