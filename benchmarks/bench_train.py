@@ -15,7 +15,7 @@ users train; ``32-true`` for the fp32 table). Under bf16-mixed DeepSpeed runs it
 mode, which reduces gradients in bf16 (its default ``communication_data_type``).
 Systems:
 
-    zeropp_stage_1/2/3, qwZ, hpZ, qgZ, zeropp, zeropp_4bit   ours (ZeroPPStrategy), Lightning Trainer
+    zeropp_stage_1/2/3, qwZ, hpZ, qgZ, zeropp, zeropp_4bit, zeropp_delta   ours (ZeroPPStrategy), Lightning Trainer
     zeropp_stage_3_bf16                         ours, stage 3 with reduce_dtype="bf16": the
                                                 like-for-like peer of DeepSpeed's bf16 reduce
     ddp                                         Lightning's DDPStrategy
@@ -77,6 +77,7 @@ OURS = {
     "qgZ": {"stage": 3, "quantized_gradients": True},
     "zeropp": None,  # None: the registered preset of that name (ours_fields), what strategy="zeropp" gives
     "zeropp_4bit": None,
+    "zeropp_delta": None,
 }
 DEEPSPEED = {
     "deepspeed_zero3": {},

@@ -80,6 +80,14 @@ VARIANTS = {
     "zeropp_4bit": {k: v for k, v in PRESETS["zeropp_4bit"].items() if k != "stage"},
     "zeropp_4bit_b32": {**{k: v for k, v in PRESETS["zeropp_4bit"].items() if k != "stage"},
                         "weight_quant_block_elems": 32},
+    # Weight deltas (ZeroConfig.weight_delta_coding): codes of each shard's change since the
+    # last gather, the sender's rounding fed back: the zeropp_delta preset (2-bit codes in
+    # blocks of 256), and int4 codes in blocks of 64
+    "zeropp_delta": {k: v for k, v in PRESETS["zeropp_delta"].items() if k != "stage"},
+    "zeropp_delta_int4": {**{k: v for k, v in PRESETS["zeropp_4bit"].items() if k != "stage"},
+                          "weight_delta_coding": True},
+    # the weight path alone (no qgZ): how much of a delta level's loss is its weights'
+    "qwZ_delta": {k: v for k, v in PRESETS["zeropp_delta"].items() if k not in ("stage", "quantized_gradients")},
 }
 DEFAULT_VARIANTS = ["stage3", "qwZ", "hpZ", "qgZ", "zeropp"]
 

@@ -494,6 +494,7 @@ _FIELD_VALUES = {
     "quantized_weights": _mostly(st.booleans()),
     "weight_quant_block_elems": _mostly(st.sampled_from([16, 32, 256, 65536, 131072, 100])),
     "weight_quant_bits": _mostly(st.sampled_from([2, 4, 8, 16])),
+    "weight_delta_coding": _mostly(st.booleans()),
     "hpz_partition_size": _mostly(st.integers(0, 16)),
     "quantized_gradients": _mostly(st.booleans()),
     "gradient_quant_bits": _mostly(st.sampled_from([2, 4, 8, 16])),

@@ -271,15 +271,18 @@ def test_frozen_leaves_are_priced_as_the_run_gathers_them(tmp_path) -> None:
     assert with_leaves.inter_bytes - without.inter_bytes == pytest.approx(C * table * (2 - 1) / 4)
 
 
-def test_4bit_row_is_shown_and_never_recommended_on_its_own() -> None:
-    """issue 35: `zeropp_4bit` prices its int4 weight gathers (fewer cross-node bytes than
-    `zeropp`), but on a slow link, where it is fastest, the recommendation stays `zeropp`
-    and names it with the reason."""
+def test_4bit_and_delta_rows_are_shown_and_never_recommended_on_their_own() -> None:
+    """issue 35: `zeropp_4bit` and `zeropp_delta` price their weight gathers (fewer
+    cross-node bytes than `zeropp`: int4 codes of the weights, 2-bit codes of their changes
+    plus the kept copies in memory), but on a slow link, where they are fastest, the
+    recommendation stays `zeropp` and names the fastest with the reason."""
     rows = _rows(_shape(8e9, root=1e9, blocks=32), nodes=2, gpus_per_node=8, link=10e9 / 8)
-    four, zpp = rows["zeropp_4bit"], rows["zeropp"]
+    four, delta, zpp = rows["zeropp_4bit"], rows["zeropp_delta"], rows["zeropp"]
     assert four.inter_bytes < 0.8 * zpp.inter_bytes and four.step_s < zpp.step_s
+    assert delta.inter_bytes < 0.6 * zpp.inter_bytes and delta.step_s < four.step_s
+    assert delta.gpu["delta_copies"] == 2 * 8e9 / 8  # 16-bit copies of 1/8 of the parameters
     assert rows["_best"].name == "zeropp"
-    assert "zeropp_4bit would be" in rows["_why"] and "not recommended on its own" in rows["_why"]
+    assert "zeropp_delta would be" in rows["_why"] and "not recommended on its own" in rows["_why"]
 
 
 @pytest.mark.compat  # fake tensors and autocast's op lists are torch's own: checked on each release

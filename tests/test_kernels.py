@@ -406,7 +406,7 @@ def test_dispatch_rule(monkeypatch):
             kernels.quantize(x, 256)
 
 
-@pytest.mark.parametrize("block_elems,bits", [(48, 8), (16, 8), (131072, 8), (256, 2), (256.0, 8)])
+@pytest.mark.parametrize("block_elems,bits", [(48, 8), (16, 8), (131072, 8), (256, 3), (256.0, 8)])
 def test_bad_arguments_name_the_parameter(block_elems, bits):
     name = "bits" if bits not in QMAX else "block_elems"
     with pytest.raises(ValueError, match=f"{name}=.*Fix:"):

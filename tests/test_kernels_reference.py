@@ -69,6 +69,36 @@ def test_zero_block_has_zero_scale_and_codes():
     assert torch.equal(dequantize_ref(codes, scales, 32, 70), torch.where(x != 0, 127 * s, 0.0))
 
 
+@pytest.mark.parametrize("block_elems", (32, 256))
+@pytest.mark.parametrize("dname", list(DTYPES))
+def test_2bit_codes_layout_bound_and_every_op(dname, block_elems):
+    """2-bit codes (qwZ's weight deltas): four per byte, element 4i + k in bits 2k..2k+1 as
+    code + 2; codes -1/0/+1 of absmax, each within half a step (absmax / 2) of its value;
+    the torch path on every device, the other ops take them as they take int4."""
+    codes, scales = quantize_ref(torch.tensor([1.0, -1.0, 0.0, 0.5] + [0.0] * 28), 32, 2)
+    assert codes.tolist()[0] == 3 | (1 << 2) | (2 << 4) | (2 << 6) and scales.tolist() == [1.0]  # 0.5 -> 0: to even
+    n = 1000
+    x = _randn(f"2bit-{dname}-{block_elems}", n, DTYPES[dname])
+    codes, scales = kernels.quantize(x, block_elems, 2)
+    assert codes.dtype == torch.uint8 and codes.numel() == -(-n // block_elems) * block_elems // 4
+    xf = torch.nn.functional.pad(x.float(), (0, codes.numel() * 4 - n)).view(-1, block_elems)
+    assert torch.equal(scales, xf.abs().amax(dim=1))
+    y = kernels.dequantize(codes, scales, block_elems, n, 2)
+    padded = torch.nn.functional.pad(y, (0, codes.numel() * 4 - n)).view(-1, block_elems)
+    assert bool(((padded - xf).abs() <= scales[:, None] / 2).all())
+    assert set(torch.unique(padded / scales[:, None]).tolist()) <= {-1.0, 0.0, 1.0}
+    sums = dequant_reduce_quantize_ref(torch.cat([codes, codes]), torch.cat([scales, scales]), sources=2, numel=n,
+                                       block_elems=block_elems, bits=2, requantize=False)
+    assert torch.equal(sums, 2 * y)
+    gathered, parts, code_bytes = _gathered(f"gather-2bit-{block_elems}", 3, n, block_elems, 2)
+    out = torch.empty(3 * n)
+    kernels.dequantize_gathered(gathered, code_bytes=code_bytes, numel=n, block_elems=block_elems, out=out, bits=2)
+    _assert_equal("gathered", out, torch.cat([kernels.dequantize(c, q, block_elems, n, 2) for c, q in parts]))
+    swz, _ = swizzle_quantize_ref(x[:512], [1, 0], 256, block_elems, 2)
+    assert torch.equal(swz, torch.cat([quantize_ref(x[256:512], block_elems, 2)[0], quantize_ref(x[:256], block_elems,
+                                                                                                   2)[0]]))
+
+
 def test_int4_pack_layout_and_round_trip():
     assert pack_int4(torch.tensor([1, -2, -7, 7], dtype=torch.int8)).tolist() == [9 | (6 << 4), 1 | (15 << 4)]
     g = _gen("int4")

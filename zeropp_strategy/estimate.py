@@ -250,6 +250,7 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
     "zeropp_stage_3": {"stage": 3},
     "zeropp": {"stage": 3, "quantized_weights": True, "hpz_partition_size": 0, "quantized_gradients": True},
     "zeropp_4bit": dict(PRESETS["zeropp_4bit"]),
+    "zeropp_delta": dict(PRESETS["zeropp_delta"]),
     "zeropp_stage_3 + offload_optimizer=cpu": {"stage": 3, "offload_optimizer": "cpu"},
     "zeropp_offload": {"stage": 3, "quantized_weights": True, "hpz_partition_size": 0, "quantized_gradients": True,
                        "offload_optimizer": "cpu", "offload_param": "cpu"},
@@ -257,7 +258,9 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
                             "quantized_gradients": True, "offload_optimizer": "nvme", "offload_param": "nvme"},
 }
 NOT_RECOMMENDED = {"zeropp_4bit": "its loss ended 9.5% above stage 3's in our 200-step benchmark (docs/zeropp.md, "
-                                   "\"4-bit weight gathers\")"}
+                                   "\"4-bit weight gathers\")",
+                   "zeropp_delta": "its loss ended 1.8% above stage 3's in our 200-step benchmark, zeropp's 1.1% below "
+                                   "(docs/zeropp.md, \"Weight deltas\")"}
 """Rows shown but never recommended on their own, with the reason the recommendation names."""
 FROZEN_CONFIGS: dict[str, dict[str, Any]] = {
     "zeropp + frozen int8": {**CONFIGS["zeropp"], "quantize_frozen_weights": True},  # type: ignore[dict-item]
@@ -336,8 +339,8 @@ def table(m: ModelShape, c: Cluster, w: Workload, rows: list[ConfigEstimate], be
              "|---|---:|---|---:|---:|---:|---|---|"]
     for r in rows:
         g = r.gpu
-        gathered = g.get("gathered", 0) + g.get("hpz_secondary", 0) + g.get("buckets", 0) + \
-            g.get("unsharded_gradients", 0)
+        gathered = g.get("gathered", 0) + g.get("hpz_secondary", 0) + g.get("delta_copies", 0) + \
+            g.get("buckets", 0) + g.get("unsharded_gradients", 0)
         parts = " / ".join(_gib(v) for v in (g.get("parameters", 0), g.get("gradients", 0), g.get("optimizer", 0),
                                               gathered, g.get("activations", 0)))
         lines.append(f"| {r.name}{' (recommended)' if r is best else ''} | {_gib(r.gpu_total)} | {parts} | "

@@ -135,6 +135,7 @@ class ZeroPPPolicy:
     quantized_weights: bool
     weight_quant_block_elems: int
     weight_quant_bits: int
+    weight_delta_coding: bool
     hpz_partition_size: int
     quantized_gradients: bool
     gradient_quant_bits: int
@@ -189,7 +190,9 @@ class Plan:
     FSDP2 is given (stage 2: False; stage 3: True, or ``hpz_group``); ``quantized_weights`` /
     ``quantized_gradients``: whether qwZ / qgZ quantize anything in this job;
     ``gradient_bits`` / ``gradient_bits_inside``: qgZ's codes across / inside nodes;
-    ``error_feedback``: qgZ keeps its cross-node quantization error; ``frozen_weight_bits``:
+    ``error_feedback``: qgZ keeps its cross-node quantization error; ``weight_delta``: qwZ
+    sends each shard's change since its last gather (a kept 16-bit copy per rank);
+    ``frozen_weight_bits``:
     frozen weights stored at 8 or 4 bits (0: dense); ``weight_bits``: qwZ's codes (8 or 4);
     ``weight_block_elems`` / ``gradient_block_elems`` / ``quantize_min_elems`` /
     ``error_beta`` / ``error_reset_steps``: the collectives' parameters, as configured;
@@ -221,6 +224,7 @@ class Plan:
     gradient_bits: int = 4
     gradient_bits_inside: int = 4
     error_feedback: bool = False
+    weight_delta: bool = False
     frozen_weight_bits: int = 0
     overlap_param_gather: bool = False
     weight_bits: int = 8  # qwZ's codes, when quantized_weights
@@ -243,7 +247,9 @@ class Plan:
         parts = [f"stage {self.stage}"]
         if self.stage == 3:
             parts.append(f"hpZ group {self.hpz_group}" if self.hpz_group > 1 else "hpZ off")
-        if self.quantized_weights:
+        if self.quantized_weights and self.weight_delta:
+            parts.append(f"qwZ int{self.weight_bits} weight deltas across nodes (16-bit inside)")
+        elif self.quantized_weights:
             parts.append(f"qwZ int{self.weight_bits} gathers across nodes (the codes on both hops)")
         if self.quantized_gradients:
             parts.append("qgZ quantized gradient reduce")
@@ -308,7 +314,14 @@ def explain(plan: Plan | None) -> list[str]:
                        "gathered from forward to backward, except a frozen, untied embedding and head, which "
                        "are gathered around their own forward (the head again in backward).")
         lines += [f"Parameters: sharded, 1/{N} of each FSDP group per rank, {held}.{frozen}", gathers]
-        if plan.quantized_weights:
+        if plan.quantized_weights and plan.weight_delta:
+            lines.append(f"qwZ with weight deltas: a gather that spans nodes sends, across nodes, {plan.weight_bits}-bit "
+                         "codes of each shard's change since its last gather (one fp32 scale per block); each rank "
+                         f"adds them to its kept copy (in the gather dtype) of the shards of its local index on every "
+                         f"node (1/{L} of the gathered groups, kept between steps), whose rounding the sender feeds "
+                         "back into its next change; inside the node that copy is gathered as it is. The first "
+                         "gather sends the shards themselves. Every rank computes with the same weights.")
+        elif plan.quantized_weights:
             lines.append(f"qwZ: a gather that spans nodes sends int{plan.weight_bits} codes with one fp32 scale per "
                          "block, on both hops; every rank computes with the same dequantized weights.")
         small = ("Tensors below quantize_min_elems, and non-float ones, take the plain reduce-scatter in the reduce "
@@ -386,6 +399,7 @@ def resolve(config: ZeroConfig, topology: Topology, *, gather_16bit_default: boo
         gradient_bits=config.gradient_quant_bits,
         gradient_bits_inside=config.gradient_quant_bits_intra or config.gradient_quant_bits,
         error_feedback=quantized_gradients and not one_node and config.gradient_error_feedback,  # one node: no cross hop
+        weight_delta=quantized_weights and config.weight_delta_coding,
         frozen_weight_bits=config.frozen_weight_bits if config.quantize_frozen_weights and stage > 1 else 0,
         overlap_param_gather=stage == 1 and config.overlap_param_gather,
         **{field_: getattr(config, name) for field_, name in _AS_CONFIGURED.items()},
@@ -600,6 +614,7 @@ def cost(name: str, plan: Plan | None, model: ModelShape, cluster: Cluster, work
     A, G, K, C, R = b.param, b.grad, b.optim, b.gather, b.reduce
     e = ConfigEstimate(name, {}, explanation=explain(plan))
     stage, qw, hpz_group, qg, opt_off, par_off = 0, False, 1, False, "none", "none"
+    delta = plan is not None and plan.weight_delta
     if plan is not None:
         stage, qw, hpz_group, qg = plan.stage, plan.quantized_weights, plan.hpz_group, plan.quantized_gradients
         opt_off, par_off, e.notes = plan.offload_optimizer, plan.offload_param, list(plan.notes)
@@ -623,6 +638,8 @@ def cost(name: str, plan: Plan | None, model: ModelShape, cluster: Cluster, work
         e.gpu["unsharded_gradients"] = G * min(T, max(m.largest_block, m.root_params))
         if hpz_group > 1:  # the secondary shard, in the gather's dtype (never with frozen codes: hpZ is off there)
             e.gpu["hpz_secondary"] = C * P / hpz_group
+        if delta:  # qwZ's kept copy of the shards of this local index on every node (frozen codes keep none)
+            e.gpu["delta_copies"] = C * (T if frozen_bits else P) / L
     stepped_on_host = moved_down = 0.0  # optimizer state the host steps, gradient bytes copied down
     if opt_off != "none":
         state = {"optimizer": e.gpu.pop("optimizer"), "gradients": e.gpu.pop("gradients")}
@@ -662,23 +679,27 @@ def cost(name: str, plan: Plan | None, model: ModelShape, cluster: Cluster, work
     wire = b.qw if qw else C
     gather_plain = (F * frozen_code + C * T) if frozen_bits else C * P
     gather_wire = gather_plain if frozen_bits else wire * P
+    # weight deltas: the codes cross nodes, the kept 16-bit copies fan out inside the node
+    gather_inside = C * P if delta and not frozen_bits else gather_wire
     if stage == 0:  # DDP's ring all-reduce over N ranks: 2 (N-1)/N B per rank, M of the N hops cross
         ring = 2 * R * T * (N - 1) / N
         e.inter_bytes, e.intra_bytes = ring * M / N if M > 1 else 0.0, ring * (1 - M / N) if M > 1 else ring
     elif stage == 1:  # reduce-scatter of the gradients, all-gather of the updated rows
         e.intra_bytes, e.inter_bytes = (R + A) * T * inside, (R + A) * T * across
     else:
-        e.intra_bytes, e.inter_bytes = gather_wire * inside, gather_wire * across  # forward gather
+        e.intra_bytes, e.inter_bytes = gather_inside * inside, gather_wire * across  # forward gather
         if stage == 3:
             # the root is not gathered again in backward; the blocks and a frozen head are
             blocks = 1 - (m.root_params - m.leaf_backward) / P
             if 1 < hpz_group <= L:  # from the secondary shard, inside the node
                 e.intra_bytes += gather_plain * blocks * (hpz_group - 1) / hpz_group
             elif hpz_group > L:  # a group of whole nodes: a two-hop gather over H ranks, quantized if qwZ
-                e.intra_bytes += gather_wire * blocks * inside
-                e.inter_bytes += gather_wire * blocks * (hpz_group // L - 1) / hpz_group
+                # (with weight deltas, as int8 codes of the weights: deltas need the world's gather)
+                hop = (1 + 4 / plan.weight_block_elems) * P if delta and not frozen_bits else gather_wire
+                e.intra_bytes += hop * blocks * inside
+                e.inter_bytes += hop * blocks * (hpz_group // L - 1) / hpz_group
             else:
-                e.intra_bytes += gather_wire * blocks * inside
+                e.intra_bytes += gather_inside * blocks * inside
                 e.inter_bytes += gather_wire * blocks * across
         if qg:
             e.intra_bytes += b.qg_inside * T * inside

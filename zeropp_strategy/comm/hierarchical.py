@@ -77,7 +77,7 @@ from zeropp_strategy.comm.ledger import CommKind, CommLedger
 from zeropp_strategy.primitives import Alloc, fresh
 from zeropp_strategy.topology import Topology
 
-__all__ = ["NodeGroups", "PendingWork", "all_gather", "has_native_reduce_scatter", "reduce_scatter", "ring_blocks"]
+__all__ = ["NodeGroups", "PendingWork", "all_gather", "finish_work", "has_native_reduce_scatter", "reduce_scatter", "ring_blocks"]
 
 _ReduceOp = dist.ReduceOp | dist.ReduceOp.RedOpType
 
@@ -168,7 +168,9 @@ class PendingWork(dist.Work):
         return self._then is None and self._error is None
 
 
-def _finish(work: dist.Work | None, then: Callable[[], None], async_op: bool) -> dist.Work | None:
+def finish_work(work: dist.Work | None, then: Callable[[], None], async_op: bool) -> dist.Work | None:
+    """``work`` (the first collective, in flight) then ``then``: as pending work with
+    ``async_op``, else run to the end now ([Note: pending work])."""
     pending = PendingWork(work, then)
     if async_op:
         return pending
@@ -233,7 +235,7 @@ def reduce_scatter(
         # a wire dtype other than the gradient's (ZeroConfig.reduce_dtype): reduce in it, then cast
         wire = torch.empty(s, dtype=input.dtype, device=input.device)
         work = native_reduce_scatter(wire, input, group, op, async_op=True)
-        return _finish(work, lambda: output.copy_(wire.view_as(output)), async_op)
+        return finish_work(work, lambda: output.copy_(wire.view_as(output)), async_op)
     if input.numel() != world * s:
         raise ValueError(f"reduce_scatter: input has {input.numel()} elements, expected {world} x {s}")
     if ring_order is not None and tuple(ring_order.shape) != (s,):
@@ -254,7 +256,7 @@ def reduce_scatter(
         else:
             _ring_sum_into(output, parts, ring_order, world if avg else None, alloc)
 
-    return _finish(work, then, async_op)
+    return finish_work(work, then, async_op)
 
 
 def _prescaled(parts: torch.Tensor, divide_by: int | None) -> torch.Tensor:
@@ -340,7 +342,7 @@ def _reduce_scatter_two_hop(
         dist.all_to_all_single(across, partial, group=nodes.inter_group)
         _sum_into(output, across.view(M, s), None, alloc)
 
-    return _finish(work, then, async_op)
+    return finish_work(work, then, async_op)
 
 
 # -- all-gather ----------------------------------------------------------------------------
@@ -372,7 +374,7 @@ def all_gather(
     if nodes is None or not nodes.two_hop(ranks) or has_native_reduce_scatter(input):
         ledger.record_all_gather(kind, s * input.element_size(), ranks, baseline_shard_bytes=base)
         work = native_all_gather(output, input, group, async_op=True)
-        return _finish(work, then or (lambda: None), async_op)
+        return finish_work(work, then or (lambda: None), async_op)
     t = nodes.topology
     M, L, e = t.num_nodes, t.ranks_per_node, input.element_size()
     node_chunks = alloc("node_chunks", M * s, input.dtype, input.device)
@@ -390,4 +392,4 @@ def all_gather(
         if then is not None:
             then()
 
-    return _finish(work, finish, async_op)
+    return finish_work(work, finish, async_op)

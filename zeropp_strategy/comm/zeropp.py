@@ -15,6 +15,27 @@ With ``ZeroConfig.weight_quant_bits=4`` the codes are int4, two per byte: (n_pad
 forward then computes with weights up to 18x more coarsely rounded; the fp32 master weights the
 optimizer steps are untouched, so the rounding does not accumulate across steps.
 
+[Note: qwZ weight deltas]
+With ``ZeroConfig.weight_delta_coding`` a gather whose group is the world across M nodes of L
+ranks goes in two hops, and only the first, across nodes among the ranks of one local index,
+is quantized, and it carries changes, not weights. Rank (m, l) keeps ``kept``: M rows of its
+shard's size in the gather dtype, row m' = the shard of rank (m', l) as every rank of local
+index l last reconstructed it (its own row included: what the others hold for it). A gather:
+1. d = shard - kept[m] (fp32), sent as ``Q(d)``; all-gather of the M payloads across nodes;
+2. every rank of index l adds deQ of each row's payload to that row, in fp32, rounded once
+   into the gather dtype: the same bits on every holder of a row, the sender's own too;
+3. all-gather of ``kept`` (16-bit, M rows) inside the node, reordered into rank order.
+The sender's next ``d`` is taken against the rounded ``kept[m]``, so what one quantization
+(or rounding) dropped is sent with the next change (error feedback on the weight deltas):
+the copy every rank computes with is the shard within one step's rounding, and a weight
+that stops changing is sent exactly after a few gathers. A step of AdamW moves a weight by
+about lr, so an int4 code of the change is far finer than an int8 code of the weight.
+The first gather, or one after ``kept`` was dropped (a resume without it: the checkpoint's
+kept copies restore it), sends the 16-bit shards in step 1 instead. Bytes per rank: step 1
+(M-1) q(n) across, q(n) = (n_pad b/8 + 4 n_pad / B); step 3 (L-1) M n e inside (qwZ's plain
+path sends q(n) there), against (M-1) n e across for a 16-bit gather. Memory: M n e per
+group per rank, kept between steps (1/L of the gathered parameters, hpZ's secondary size).
+
 [Note: qgZ]
 Input: W = M nodes x L ranks/node chunks of s elements, chunk j for rank j. Rank (n, l):
 1. reorder the chunks so that the M chunks for local rank l' (on every node) are
@@ -66,7 +87,7 @@ from zeropp_strategy.comm.collectives import (
     tensor_bytes,
 )
 from zeropp_strategy.comm.comm_thread import BackwardDeferral
-from zeropp_strategy.comm.hierarchical import NodeGroups, all_gather
+from zeropp_strategy.comm.hierarchical import NodeGroups, all_gather, finish_work, native_all_gather
 from zeropp_strategy.comm.ledger import CommKind, CommLedger
 from zeropp_strategy.fsdp_private import AllGather, ReduceScatter
 from zeropp_strategy.kernels import (
@@ -87,6 +108,31 @@ def _pack(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return torch.cat([codes.view(torch.uint8).reshape(-1), scales.contiguous().view(torch.uint8).reshape(-1)])
 
 
+class WeightDeltas:
+    """qwZ's kept rows of one FSDP group ([Note: qwZ weight deltas]); ``kept`` is what a
+    checkpoint saves (checkpoint/comm_state.py), ``count`` the gathers so far."""
+
+    name = "qwZ weight deltas"
+
+    def __init__(self, *, layout: tuple[int, int]) -> None:
+        self.layout = layout  # (nodes, ranks per node): the rows mean nothing on another
+        self.kept: torch.Tensor | None = None
+        self.count = 0
+
+    # checkpoint/comm_state.py: a rank saves its own shard's row (every node keeps the same
+    # row), and reads the rows of its local index from their owners ([Note: error feedback
+    # in checkpoints])
+    def part(self, rank: int) -> torch.Tensor | None:
+        return None if self.kept is None else self.kept[rank // self.layout[1]]
+
+    def sources(self, rank: int) -> list[int]:
+        nodes, per_node = self.layout
+        return [m * per_node + rank % per_node for m in range(nodes)]
+
+    def restore(self, parts: list[torch.Tensor | None]) -> None:
+        self.kept = None if any(p is None for p in parts) else torch.stack(parts)  # type: ignore[arg-type]
+
+
 class QuantizedAllGather(EmptyAlloc, AllGather):
     """qwZ: FSDP2 parameter all-gather in block int8, or int4 with ``bits=4`` (see [Note: qwZ]).
 
@@ -96,13 +142,14 @@ class QuantizedAllGather(EmptyAlloc, AllGather):
     """
 
     def __init__(self, ledger: CommLedger, topology: Topology, *, block_elems: int, min_elems: int,
-                 nodes: NodeGroups | None = None, bits: int = 8) -> None:
+                 nodes: NodeGroups | None = None, bits: int = 8, deltas: WeightDeltas | None = None) -> None:
         self.ledger = ledger
         self.topology = topology
         self.block_elems = block_elems
         self.bits = bits
         self.min_elems = min_elems
         self.nodes = nodes
+        self.deltas = deltas
 
     def __call__(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
@@ -114,7 +161,11 @@ class QuantizedAllGather(EmptyAlloc, AllGather):
         if not spans_nodes or n < self.min_elems or not input_tensor.is_floating_point():
             return all_gather(output_tensor, input_tensor, group=group, ranks=ranks, ledger=self.ledger, kind=kind,
                               nodes=self.nodes, async_op=async_op)
-        bits, B = self.bits, self.block_elems
+        if self.deltas is not None and self.nodes is not None and ranks == list(range(self.topology.world_size)):
+            return self._delta_gather(output_tensor, input_tensor, kind, async_op)
+        # the bits are for changes when weight deltas are on: another cross-node gather (a
+        # backward gather over an hpZ group of whole nodes) sends int8 codes of the weights
+        bits, B = (8 if self.deltas is not None else self.bits), self.block_elems
         codes, scales = quantize(input_tensor, B, bits)
         payload = _pack(codes, scales)
         world = len(ranks)
@@ -130,8 +181,59 @@ class QuantizedAllGather(EmptyAlloc, AllGather):
                           then=dequantize_all)
 
 
+    def _delta_gather(self, output: torch.Tensor, shard: torch.Tensor, kind: CommKind,
+                      async_op: bool) -> dist.Work | None:
+        """[Note: qwZ weight deltas]: the changes across nodes, the kept rows inside."""
+        assert self.deltas is not None and self.nodes is not None
+        state, t, nodes = self.deltas, self.topology, self.nodes
+        M, L, n, e = t.num_nodes, t.ranks_per_node, shard.numel(), shard.element_size()
+        across_to = [m * L + t.local_rank for m in range(M)]
+        kept = state.kept
+        if kept is not None and (tuple(kept.shape) != (M, n) or kept.dtype != shard.dtype):
+            kept = None  # another layout or gather dtype: start again from the shards
+        state.count += 1
+        if kept is None:
+            rows = torch.empty(M * n, dtype=shard.dtype, device=shard.device)
+            self.ledger.record(kind, dict.fromkeys(across_to, n * e))  # the 16-bit shards: nothing kept yet
+            work = native_all_gather(rows, shard.reshape(-1).contiguous(), nodes.inter_group, async_op=True)
+
+            def update() -> torch.Tensor:
+                state.kept = rows.view(M, n)
+                return state.kept
+        else:
+            kept = state.kept = kept.to(shard.device)  # a no-op but after a load from a checkpoint
+            bits, B = self.bits, self.block_elems
+            change = shard.reshape(-1).to(torch.float32, copy=True).sub_(kept[t.node])
+            codes, scales = quantize(change, B, bits)
+            payload = _pack(codes, scales)
+            gathered = torch.empty(M * payload.numel(), dtype=torch.uint8, device=payload.device).view(M, -1)
+            self.ledger.record(kind, dict.fromkeys(across_to, payload.numel()),
+                               baseline_bytes_to_rank=dict.fromkeys(across_to, n * e))
+            work = native_all_gather(gathered.view(-1), payload, nodes.inter_group, async_op=True)
+
+            def update() -> torch.Tensor:
+                for m, row in enumerate(kept):  # fp32 sums, rounded once into the gather dtype; a row at a time
+                    dequantize_gathered(gathered[m : m + 1], code_bytes=codes.numel(), numel=n, block_elems=B,
+                                        out=change, bits=bits)
+                    row.copy_(change.add_(row))
+                return kept
+
+        def finish() -> None:
+            rows = update()
+            peers = t.node_ranks(t.node)
+            self.ledger.record(kind, dict.fromkeys(peers, M * n * e))
+            # node m's shards are output's m-th slice, in rank order: gathered there directly
+            slices = output.view(M, L * n)
+            for m in range(M):
+                native_all_gather(slices[m], rows[m], nodes.intra_group, async_op=False)
+
+        return finish_work(work, finish, async_op)
+
+
 class ErrorFeedback:
     """The kept quantization error of one group's node partials ([Note: qgZ error feedback])."""
+
+    name = "qgZ error feedback"
 
     def __init__(self, *, beta: float, reset_steps: int, layout: tuple[int, int] = (1, 1)) -> None:
         self.beta = beta
@@ -139,6 +241,32 @@ class ErrorFeedback:
         self.layout = layout  # (nodes, ranks per node): the error means nothing on another
         self.error: torch.Tensor | None = None
         self.reductions = 0
+
+    # what checkpoint/comm_state.py saves, under the names every kept state has (WeightDeltas')
+    def part(self, rank: int) -> torch.Tensor | None:  # noqa: ARG002 - each rank's errors are its own
+        return self.error
+
+    def sources(self, rank: int) -> list[int]:
+        return [rank]
+
+    def restore(self, parts: list[torch.Tensor | None]) -> None:
+        (self.error,) = parts
+
+    @property
+    def kept(self) -> torch.Tensor | None:
+        return self.error
+
+    @kept.setter
+    def kept(self, value: torch.Tensor | None) -> None:
+        self.error = value
+
+    @property
+    def count(self) -> int:
+        return self.reductions
+
+    @count.setter
+    def count(self, value: int) -> None:
+        self.reductions = value
 
     def quantize(self, partials: torch.Tensor, block_elems: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Codes and scales of ``partials + error`` (fp32, whole blocks; used as scratch), and

@@ -124,9 +124,21 @@ class ZeroConfig:
     """Elements per qwZ quantization block: a power of two in 32..65536."""
     weight_quant_bits: int = 8
     """Bits per qwZ code: 8, or 4 (two codes per byte: with blocks of 64, 0.56 bytes per
-    gathered element against int8's 1.02, a rounding step 127/7 = 18x coarser). Only the
-    gathers that cross nodes are quantized; the ``zeropp_4bit`` preset sets 4 with blocks
-    of 64 (docs/zeropp.md, "4-bit weight gathers"). No effect without ``quantized_weights``."""
+    gathered element against int8's 1.02, a rounding step 127/7 = 18x coarser), or, with
+    ``weight_delta_coding`` only, 2 (four codes per byte, -1/0/+1 times the block's scale).
+    Only the gathers that cross nodes are quantized; the ``zeropp_4bit`` preset sets 4 with
+    blocks of 64 (docs/zeropp.md, "4-bit weight gathers"). No effect without
+    ``quantized_weights``."""
+    weight_delta_coding: bool = False
+    """qwZ sends, in each gather that crosses nodes, the change of every shard since the
+    last gather instead of the shard itself, as ``weight_quant_bits`` codes, with the
+    sender's error fed back: each rank keeps the values it has sent and received (a copy,
+    in the gather dtype, of 1/ranks-per-node of the gathered groups, like hpZ's secondary
+    shard) and sends ``Q(w - kept)`` next time, so the receivers' copy stays within one
+    step's rounding of the weights (SDP4Bit's difference coding). The first gather, and
+    the first after a resume without the kept copies, sends the shards themselves. Needs
+    ``quantized_weights``; the ``zeropp_delta`` preset sets it with 2-bit codes in blocks
+    of 256 (docs/zeropp.md, "Weight deltas")."""
     hpz_partition_size: int = 1
     """hpZ: ranks in a group holding a secondary parameter shard (usually ranks per node); 1 = off,
     0 = auto (ranks per node). Backward then all-gathers within the group, not across nodes.
@@ -259,8 +271,9 @@ class ZeroConfig:
         for name, fix in _BITS_FIELDS.items():
             if name == "gradient_quant_bits_intra" and self.gradient_quant_bits_intra is None:
                 continue
-            if _int(f"{w}.{name}", getattr(self, name), fix) not in (4, 8):
-                _invalid(f"{w}.{name}", getattr(self, name), "must be 4 or 8", fix)
+            allowed = (2, 4, 8) if name == "weight_quant_bits" and self.weight_delta_coding else (4, 8)
+            if _int(f"{w}.{name}", getattr(self, name), fix) not in allowed:
+                _invalid(f"{w}.{name}", getattr(self, name), f"must be {' or '.join(map(str, allowed))}", fix)
             put(name, int(getattr(self, name)))
         beta, beta_fix = self.gradient_error_beta, "use 0.8 (LoCo's default) or any value in [0, 1)"
         if isinstance(beta, bool) or not isinstance(beta, (int, float)):
@@ -296,6 +309,9 @@ class ZeroConfig:
         if self.quantized_gradients and stage < 2:
             _invalid(f"{w}.quantized_gradients", True, "qgZ replaces the gradient reduce-scatter of stages 2 "
                      "and 3; stage 1 all-reduces gradients", "set stage=2 or 3, or quantized_gradients=False")
+        if self.weight_delta_coding and not self.quantized_weights:
+            _invalid(f"{w}.weight_delta_coding", True, "it changes qwZ's quantized all-gather, which is off",
+                     "set quantized_weights=True as well, or weight_delta_coding=False")
         for name, value in (("gradient_error_feedback", self.gradient_error_feedback),
                             ("gradient_quant_bits_intra", self.gradient_quant_bits_intra)):
             if value not in (False, None) and not self.quantized_gradients:
@@ -455,10 +471,11 @@ class ZeroConfig:
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(ZeroConfig))
 _BOOL_FIELDS = ("overlap_param_gather", "quantized_weights", "quantized_gradients", "quantized_gradients_on_single_node",
-                "gradient_error_feedback",
+                "gradient_error_feedback", "weight_delta_coding",
                 "quantize_frozen_weights", "activation_checkpointing", "meta_init")
 _BITS_FIELDS = {  # field (4 or 8) -> fix
-    "weight_quant_bits": "use 8 (int8, ZeRO++'s qwZ) or 4 (int4: about half the bytes of a cross-node gather)",
+    "weight_quant_bits": "use 8 (int8, ZeRO++'s qwZ) or 4 (int4: about half the bytes of a cross-node gather); 2 "
+                         "only with weight_delta_coding=True (codes of the changes, not of the weights)",
     "gradient_quant_bits": "use 4 (least traffic) or 8 (more precise)",
     "gradient_quant_bits_intra": "use 8 (inside the node, where bytes are cheap), 4, or None (= gradient_quant_bits)",
     "frozen_weight_bits": "use 8 (int8, the default) or 4 (int4: half the bytes, a coarser step)",

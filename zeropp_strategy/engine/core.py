@@ -128,7 +128,12 @@ class ZeroEngine:
     def comm_factories(self) -> tuple[Any, Any]:
         """Factories for qwZ / qgZ comm objects (None: the plain ledger collectives), as the
         plan decided for this topology (asked for on one node, they log why they are off)."""
-        from zeropp_strategy.comm.zeropp import ErrorFeedback, HierarchicalQuantReduceScatter, QuantizedAllGather
+        from zeropp_strategy.comm.zeropp import (
+            ErrorFeedback,
+            HierarchicalQuantReduceScatter,
+            QuantizedAllGather,
+            WeightDeltas,
+        )
 
         plan, topo = self.plan, self.topology
         all_gather: Any = None
@@ -140,6 +145,7 @@ class ZeroEngine:
                 return QuantizedAllGather(
                     self.ledger, topo, block_elems=plan.weight_block_elems, min_elems=plan.quantize_min_elems,
                     nodes=self.nodes, bits=plan.weight_bits,
+                    deltas=WeightDeltas(layout=(topo.num_nodes, topo.ranks_per_node)) if plan.weight_delta else None,
                 )
 
             all_gather = quantized_gather

@@ -189,7 +189,7 @@ def reshard_when_training_resumes(root: nn.Module) -> None:
     FSDP2 keeps the root (and, at stage 2, every block) gathered after a forward, for the
     backward that follows. After a forward-only evaluation no backward comes, so the whole
     root stays gathered on every rank until the next training step: the Lightning
-    strategy reshards at the end of its evaluation loops (evaluation.py), but a Fabric or
+    strategy reshards at the end of its evaluation loops (lightning/evaluation.py), but a Fabric or
     Accelerate user's own loop has no such end. Their loops end the way PyTorch's idiom
     does, with ``model.train()``: ``train(True)`` reshards every group (a no-op for one
     already sharded, and for FSDP2's backward, which gathers again what it needs). Nothing changes inside the loop, so an
@@ -254,7 +254,7 @@ def shard_module(
     # its own would save nothing ([Note: frozen leaves] in wrap.py).
     leaves = frozen_leaves(root, blocks, min_params=plan.wrap_min_params) if reshard_after_forward else []
     for leaf in leaves:
-        leaf.zeropp_frozen_leaf = True  # for model_shape and error_feedbacks: not a block
+        leaf.zeropp_frozen_leaf = True  # for model_shape and kept_comm_states: not a block
     hpz_off: list[str] = []
     for block in (*blocks, *leaves):
         block_raf = reshard_after_forward
@@ -380,35 +380,50 @@ def install_comms(
     ``deferral`` where they may. Each reduce-scatter learns its group's sharded parameters,
     which decide whether it may be deferred ([Note: deferred reduce-scatter])."""
     for m in fsdp_modules(root):
-        m.set_custom_all_gather(all_gather() if all_gather else LedgerAllGather(ledger, nodes))
+        ag = all_gather() if all_gather else LedgerAllGather(ledger, nodes)
+        m.set_custom_all_gather(ag)
         rs = reduce_scatter() if reduce_scatter else LedgerReduceScatter(ledger, nodes, wire_dtype=wire_dtype,
                                                                          deferral=deferral)
         nested = {id(p) for sub in m.modules() if sub is not m and isinstance(sub, FSDPModule)
                   for p in sub.parameters()}
         rs.params = [p for p in m.parameters() if id(p) not in nested and isinstance(p, DTensor)]
         m.set_custom_reduce_scatter(rs)
-        # Kept where error_feedbacks(user's module) finds it: the root is our wrapper of that module.
+        # Kept where kept_comm_states(user's module) finds them: the root is our wrapper of that module.
         holder = m.module if isinstance(m, ShardedRoot) else m
         if _REDUCE_SCATTERS_ATTR not in holder.__dict__:
             holder.__dict__[_REDUCE_SCATTERS_ATTR] = {}
         holder.__dict__[_REDUCE_SCATTERS_ATTR][id(m)] = rs
+        holder.__dict__.setdefault(_ALL_GATHERS_ATTR, {})[id(m)] = ag
 
 
 _REDUCE_SCATTERS_ATTR = "_zeropp_reduce_scatters"
+_ALL_GATHERS_ATTR = "_zeropp_all_gathers"
 
 
-def error_feedbacks(module: nn.Module) -> list[Any]:
-    """The qgZ error-feedback states of the FSDP groups in ``module`` (the user's module or
-    our root around it), in module order, the same on every rank and in every run of the
-    same model: [Note: qgZ error feedback]."""
+def kept_comm_states(module: nn.Module) -> list[Any]:
+    """What the collectives of ``module``'s FSDP groups keep from step to step, in module
+    order, the same on every rank and in every run of the same model: per group, qgZ's
+    error feedback, then qwZ's weight deltas, where on ([Note: qgZ error feedback], [Note:
+    qwZ weight deltas]). Each has ``name``, ``layout``, ``kept`` (a tensor or None) and
+    ``count``; checkpoint/comm_state.py saves them."""
     found = []
     for m in module.modules():
-        if getattr(m, "zeropp_frozen_leaf", False):  # reduces nothing: a checkpoint's kept errors keep their count
+        if getattr(m, "zeropp_frozen_leaf", False):  # reduces nothing; its gathered codes never change
             continue
         for rs in m.__dict__.get(_REDUCE_SCATTERS_ATTR, {}).values():
             if getattr(rs, "feedback", None) is not None:
                 found.append(rs.feedback)
+        for ag in m.__dict__.get(_ALL_GATHERS_ATTR, {}).values():
+            if getattr(ag, "deltas", None) is not None:
+                found.append(ag.deltas)
     return found
+
+
+def error_feedbacks(module: nn.Module) -> list[Any]:
+    """The qgZ error-feedback states among ``kept_comm_states(module)``."""
+    from zeropp_strategy.comm.zeropp import ErrorFeedback
+
+    return [state for state in kept_comm_states(module) if isinstance(state, ErrorFeedback)]
 
 
 @torch.no_grad()

@@ -25,9 +25,10 @@ Both back ends produce the same bytes (codes, scales and dequantized values; che
 tests/test_kernels.py), so which one a rank used never changes what its peers receive.
 triton is imported on first Triton dispatch only, so this package imports without it.
 
-Arguments are checked the same way on both paths, before any kernel runs: ``bits`` is 8 or 4,
+Arguments are checked the same way on both paths, before any kernel runs: ``bits`` is 8, 4
+or 2 (2-bit codes, for qwZ's weight deltas, run the torch path on every device),
 ``block_elems`` a power of two in 32..65536 (what the kernels support and what ZeroConfig
-accepts), codes are int8 (bits=8) or uint8 (bits=4) with fp32 scales, and the buffers cover
+accepts), codes are int8 (bits=8) or uint8 (bits=4, 2) with fp32 scales, and the buffers cover
 ``numel``. So a call that works on CPU also works on a GPU, and a wrong buffer is an error
 naming it rather than an out-of-bounds read in a kernel.
 """
@@ -109,6 +110,12 @@ def kernel_backend(t: torch.Tensor) -> str:
     return "triton" if t.is_cuda and _triton_importable() else "torch"
 
 
+def _on_triton(t: torch.Tensor, bits: int) -> bool:
+    """Whether a call at ``bits`` with ``t`` as first tensor runs a Triton kernel: 2-bit codes
+    have none, and take the torch path on every device."""
+    return bits != 2 and kernel_backend(t) == "triton"
+
+
 def _triton():
     from zeropp_strategy.kernels import triton_quant
 
@@ -121,7 +128,7 @@ def quantize(x: torch.Tensor, block_elems: int, bits: int = 8) -> tuple[torch.Te
     to whole blocks."""
     check_quant_args(block_elems, bits)
     check_input(x)
-    if kernel_backend(x) == "triton":
+    if _on_triton(x, bits):
         return _triton().quantize_triton(x, block_elems, bits)
     return quantize_ref(x, block_elems, bits)
 
@@ -145,7 +152,7 @@ def dequantize(
     if out is not None:
         check_out(out, numel, codes.device)
         flat = out.view(-1)
-    if kernel_backend(codes) == "triton":
+    if _on_triton(codes, bits):
         result = _triton().dequantize_triton(codes, scales, block_elems, numel, bits, dtype, out=flat)
     else:
         result = dequantize_ref(codes, scales, block_elems, numel, bits, dtype, out=flat)
@@ -192,7 +199,7 @@ def swizzle_quantize(
     check_quant_args(block_elems, bits)
     check_input(x)
     n_chunks = check_chunks(x.numel(), chunk_elems)
-    if kernel_backend(x) == "triton":
+    if _on_triton(x, bits):
         return _triton().swizzle_quantize_triton(x, order, chunk_elems, block_elems, bits)
     if isinstance(order, torch.Tensor):
         order = order.tolist()
@@ -214,7 +221,7 @@ def dequant_reduce_quantize(
     ``requantize`` is False."""
     check_quant_args(block_elems, bits)
     check_quantized(codes, scales, block_elems, numel, bits, sources=sources)
-    if kernel_backend(codes) == "triton":
+    if _on_triton(codes, bits):
         return _triton().dequant_reduce_quantize_triton(
             codes, scales, sources=sources, numel=numel, block_elems=block_elems, bits=bits, requantize=requantize
         )

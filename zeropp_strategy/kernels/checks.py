@@ -28,7 +28,7 @@ MAX_BLOCK_ELEMS = 65536
 
 def check_quant_args(block_elems: int, bits: int) -> None:
     if bits not in QMAX:
-        raise ValueError(f"bits={bits} is not supported. Fix: use 8 or 4.")
+        raise ValueError(f"bits={bits} is not supported. Fix: use 8, 4 or 2.")
     if (
         not isinstance(block_elems, int)
         or not MIN_BLOCK_ELEMS <= block_elems <= MAX_BLOCK_ELEMS

@@ -8,12 +8,15 @@ Layer: kernels (imports torch only).
 - Symmetric, one fp32 scale per block of ``block_elems`` consecutive elements of the
   flattened input; the last block is zero-padded (padding quantizes to code 0).
 - int8: ``qmax = 127``; int4: ``qmax = 7`` (codes -7..7; -8 is never produced, so the
-  range is symmetric and dequantization needs no zero point).
+  range is symmetric and dequantization needs no zero point); 2 bits: ``qmax = 1``
+  (codes -1, 0, 1: for qwZ's weight deltas only, whose sender feeds the rounding back).
 - ``scale = absmax(block) / qmax`` computed in fp32; an all-zero block has scale 0 and
   codes 0. ``code = round_half_to_even(x / scale)`` (torch.round; Triton uses
   ``rint``, the same IEEE rounding), clamped to [-qmax, qmax].
 - int4 packing: two codes per uint8, element 2i in the low nibble and 2i+1 in the high
-  nibble, each stored as ``code + 8`` (0..15).
+  nibble, each stored as ``code + 8`` (0..15). 2-bit packing: four codes per uint8,
+  element 4i + k in bits 2k..2k+1, each stored as ``code + 2`` (1..3). 2-bit codes have no
+  Triton kernel: this torch path runs them on every device.
 - Error bound per element: |x - dequant(quant(x))| <= scale / 2 = absmax(block) / (2 qmax).
 
 [Note: fast CPU reference]
@@ -31,7 +34,7 @@ collective, so they are written for speed without changing a single output bit:
   a device tensor), rounded in place. The clamp to [-qmax, qmax] and the zeroing of blocks whose
   scale is not > 0 can only change anything when a block's scale is subnormal or NaN
   (otherwise |x / scale| <= qmax (1 + 2^-23) rounds into range, and an all-zero block
-  divides to zeros), so they run only for chunks that hold such a block.
+  divides to zeros), so on the CPU they run only for chunks that hold such a block.
 - Mixed-dtype torch ops (int8 * fp32 into bf16, say) are slow on CPU: TensorIterator
   makes hidden copies and falls off the vectorized path. Every op here has one dtype in
   and out, conversions are explicit ``copy_`` calls.
@@ -48,11 +51,12 @@ from __future__ import annotations
 
 import torch
 
-QMAX = {8: 127, 4: 7}
+QMAX = {8: 127, 4: 7, 2: 1}
 
 
 def code_dtype(bits: int) -> torch.dtype:
-    """The dtype codes of ``bits`` travel in: int8 for 8 bits, uint8 (two codes a byte) for 4."""
+    """The dtype codes of ``bits`` travel in: int8 for 8 bits, uint8 (two or four codes a
+    byte) for 4 and 2."""
     return torch.int8 if bits == 8 else torch.uint8
 
 # Elements per chunk: 2**20 (4 MiB of fp32 scratch). Chosen with
@@ -94,8 +98,9 @@ class _Scratch:
         # by its rounded reciprocal, which moves a scale by an ulp now and then (seen on an
         # H100: the reference on CUDA disagreed with itself on the CPU and with Triton)
         self.qmax = torch.full((), float(QMAX[bits]), dtype=torch.float32, device=device)
-        if bits == 4:
+        if bits != 8:
             self.i8 = torch.empty(n, dtype=torch.int8, device=device)
+        if bits == 4:
             self.w16 = torch.empty(n // 2, dtype=torch.int16, device=device)
             self.w16b = torch.empty_like(self.w16)
 
@@ -124,11 +129,20 @@ def _quantize_rows(src: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     safe = torch.where(scales == 0, 1.0, scales)  # NaN stays NaN: amin() below sees it
     torch.div(src, safe[:, None], out=y)
     y.round_()
-    if not float(safe.amin()) >= _TINY:  # a subnormal or NaN scale: clamp and zero as specified
+    # a subnormal or NaN scale: clamp and zero as specified (no-ops otherwise; on a GPU always,
+    # since reading the minimum back would stall the host: 2-bit codes run here on every device)
+    if y.device.type != "cpu" or not float(safe.amin()) >= _TINY:
         y.clamp_(-qmax, qmax)
         y[~(scales > 0)] = 0.0
     if bits == 8:
         codes.view(rows, b).copy_(y)
+        return
+    if bits == 2:
+        four = sc.i8[: rows * b].copy_(y.view(-1)).add_(2).view(torch.uint8).view(-1, 4)  # 1..3
+        packed = torch.bitwise_left_shift(four[:, 3], 6)
+        for k in (2, 1):
+            packed.bitwise_or_(torch.bitwise_left_shift(four[:, k], 2 * k))
+        codes.copy_(packed.bitwise_or_(four[:, 0]))
         return
     c = sc.i8[: rows * b]
     c.copy_(y.view(-1)).add_(8)  # 1..15
@@ -143,6 +157,11 @@ def _dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, y: torch.Tensor,
     rows, b = y.shape
     if bits == 8:
         y.copy_(codes.view(rows, b))
+    elif bits == 2:
+        four = sc.i8[: rows * b].view(-1, 4)
+        for k in range(4):
+            four[:, k].copy_(torch.bitwise_right_shift(codes, 2 * k).bitwise_and_(3))
+        y.copy_(four.view(rows, b).sub_(2))
     else:
         w = sc.w16[: codes.numel()].copy_(codes)  # packed byte p -> 0x00pp
         w.bitwise_or_(torch.bitwise_left_shift(w, 4, out=sc.w16b[: w.numel()])).bitwise_and_(0x0F0F)
@@ -191,7 +210,7 @@ def quantize_ref(x: torch.Tensor, block_elems: int, bits: int = 8) -> tuple[torc
     scales: fp32 [num_blocks].
     """
     if bits not in QMAX:
-        raise ValueError(f"bits={bits} is not supported. Fix: use 8 or 4.")
+        raise ValueError(f"bits={bits} is not supported. Fix: use 8, 4 or 2.")
     flat = x.reshape(-1)
     codes, scales = _empty_quantized(flat.numel(), block_elems, bits, 1, flat.device)
     sc = _scratch(num_blocks(flat.numel(), block_elems), block_elems, bits, flat.device)
@@ -291,7 +310,7 @@ def swizzle_quantize_ref(
     """Reorder ``x``'s chunks (``x.view(-1, chunk_elems)[order]``) and quantize each chunk
     separately (blocks never straddle chunks): codes/scales laid out chunk after chunk."""
     if bits not in QMAX:
-        raise ValueError(f"bits={bits} is not supported. Fix: use 8 or 4.")
+        raise ValueError(f"bits={bits} is not supported. Fix: use 8, 4 or 2.")
     chunks = x.reshape(-1, chunk_elems)
     slots, b = len(order), block_elems
     codes, scales = _empty_quantized(chunk_elems, b, bits, slots, x.device)
