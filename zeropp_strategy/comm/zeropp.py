@@ -180,7 +180,6 @@ class QuantizedAllGather(EmptyAlloc, AllGather):
                           nodes=self.nodes, async_op=async_op, baseline_bytes=tensor_bytes(input_tensor),
                           then=dequantize_all)
 
-
     def _delta_gather(self, output: torch.Tensor, shard: torch.Tensor, kind: CommKind,
                       async_op: bool) -> dist.Work | None:
         """[Note: qwZ weight deltas]: the changes across nodes, the kept rows inside."""
