@@ -191,9 +191,10 @@ class Plan:
     ``quantized_gradients``: whether qwZ / qgZ quantize anything in this job;
     ``gradient_bits`` / ``gradient_bits_inside``: qgZ's codes across / inside nodes;
     ``error_feedback``: qgZ keeps its cross-node quantization error; ``weight_delta``: qwZ
-    sends each shard's change since its last gather (a kept 16-bit copy per rank);
+    sends each shard's change since its last gather (kept rows per rank);
     ``frozen_weight_bits``:
-    frozen weights stored at 8 or 4 bits (0: dense); ``weight_bits``: qwZ's codes (8 or 4);
+    frozen weights stored at 8 or 4 bits (0: dense); ``weight_bits``: qwZ's codes (8 or 4; 2
+    with weight deltas);
     ``weight_block_elems`` / ``gradient_block_elems`` / ``quantize_min_elems`` /
     ``error_beta`` / ``error_reset_steps``: the collectives' parameters, as configured;
     ``overlap_param_gather``: stage 1's
@@ -248,7 +249,7 @@ class Plan:
         if self.stage == 3:
             parts.append(f"hpZ group {self.hpz_group}" if self.hpz_group > 1 else "hpZ off")
         if self.quantized_weights and self.weight_delta:
-            parts.append(f"qwZ int{self.weight_bits} weight deltas across nodes (16-bit inside)")
+            parts.append(f"qwZ {self.weight_bits}-bit weight deltas across nodes (the kept rows inside)")
         elif self.quantized_weights:
             parts.append(f"qwZ int{self.weight_bits} gathers across nodes (the codes on both hops)")
         if self.quantized_gradients:

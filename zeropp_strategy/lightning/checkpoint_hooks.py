@@ -34,6 +34,10 @@ class CheckpointMixin:
         # Sharded parameters exist only after setup; load into them, not before.
         return True
 
+    @property
+    def state_dict_type(self) -> str:
+        return self.config.resolved_state_dict_type()
+
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.lightning_module is not None
         return layout.model_state(self.lightning_module, sharded=self.state_dict_type == "sharded",
