@@ -390,9 +390,7 @@ def install_comms(
         m.set_custom_reduce_scatter(rs)
         # Kept where kept_comm_states(user's module) finds them: the root is our wrapper of that module.
         holder = m.module if isinstance(m, ShardedRoot) else m
-        if _REDUCE_SCATTERS_ATTR not in holder.__dict__:
-            holder.__dict__[_REDUCE_SCATTERS_ATTR] = {}
-        holder.__dict__[_REDUCE_SCATTERS_ATTR][id(m)] = rs
+        holder.__dict__.setdefault(_REDUCE_SCATTERS_ATTR, {})[id(m)] = rs
         holder.__dict__.setdefault(_ALL_GATHERS_ATTR, {})[id(m)] = ag
 
 
@@ -404,8 +402,9 @@ def kept_comm_states(module: nn.Module) -> list[Any]:
     """What the collectives of ``module``'s FSDP groups keep from step to step, in module
     order, the same on every rank and in every run of the same model: per group, qgZ's
     error feedback, then qwZ's weight deltas, where on ([Note: qgZ error feedback], [Note:
-    qwZ weight deltas]). Each has ``name``, ``layout``, ``kept`` (a tensor or None) and
-    ``count``; checkpoint/comm_state.py saves them."""
+    qwZ weight deltas]). Each has ``name``, ``layout``, ``kept`` (a tensor or None),
+    ``count`` and ``part`` / ``sources`` / ``restore`` (what a rank saves, whose parts it
+    reads back, how it takes them); checkpoint/comm_state.py saves them."""
     found = []
     for m in module.modules():
         if getattr(m, "zeropp_frozen_leaf", False):  # reduces nothing; its gathered codes never change
