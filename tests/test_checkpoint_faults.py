@@ -92,14 +92,12 @@ def _attempt(fn) -> str:
 
 
 def _worker(rank, world, tmp, disk):
-    from dataclasses import replace
-
     from lightning.fabric import Fabric
 
     import zeropp_strategy  # noqa: F401 - registers the strategy names
     from tests._models import Net, dataset
     from zeropp_strategy.engine.state import full_model_state, full_optimizer_state
-    from zeropp_strategy.fabric import _unwrap
+    from zeropp_strategy.fabric import ZeroPPFabricStrategy, _unwrap
 
     tmp = Path(tmp)
     out = {}
@@ -131,10 +129,17 @@ def _worker(rank, world, tmp, disk):
     step()
     fabric.save(tmp / "other", {"model": model, "optimizer": opt, "step": 2})
     strategy = fabric.strategy
-    config = strategy.config
-    strategy.config = replace(config, state_dict_type="full")
-    fabric.save(tmp / "fabric_full.ckpt", {"model": model, "optimizer": opt, "step": 2})
-    strategy.config = config
+    # A full-format file comes from a run of its own: the format is the session's plan,
+    # decided at setup, so a second Fabric with state_dict_type="full" loads "other" and saves.
+    full_fabric = Fabric(strategy=ZeroPPFabricStrategy(stage=3, state_dict_type="full"), accelerator="cpu",
+                         devices=world, precision="32-true")
+    full_fabric.launch()
+    torch.manual_seed(1234)
+    model_full = Net(width=WIDTH)
+    model_full, opt_full = full_fabric.setup(model_full, torch.optim.AdamW(model_full.parameters(), lr=1e-2))
+    full_fabric.load(tmp / "other", {"model": model_full, "optimizer": opt_full})
+    full_fabric.save(tmp / "fabric_full.ckpt", {"model": model_full, "optimizer": opt_full, "step": 2})
+    assert (tmp / "fabric_full.ckpt").is_file()
     cases = _damage(tmp / "good", tmp, tmp / "other") if rank == 0 else None
     cases = strategy.broadcast(cases)
     for name in cases:

@@ -45,6 +45,19 @@ def test_registry_names_resolve_in_pytorch_lightning():
     assert trainer.strategy.stage == 2
 
 
+def test_front_ends_read_decisions_from_the_session_once_it_has_started():
+    """stage and state_dict_type are the config's until setup, then the session plan's (the
+    one place they are decided): a stand-in session with other answers shows which is read."""
+    from types import SimpleNamespace
+
+    from zeropp_strategy.fabric import ZeroPPFabricStrategy
+
+    for strategy in (ZeroPPStrategy(stage=3), ZeroPPFabricStrategy(stage=3)):
+        assert (strategy.stage, strategy.state_dict_type) == (3, "sharded")
+        strategy._session = SimpleNamespace(stage=2, state_dict_type="full")
+        assert (strategy.stage, strategy.state_dict_type) == (2, "full")
+
+
 def test_config_sources(tmp_path):
     assert ZeroPPStrategy(stage=2).config.stage == 2
     assert ZeroPPStrategy(config={"stage": 1, "reduce_bucket_bytes": 4096}).config.reduce_bucket_bytes == 4096

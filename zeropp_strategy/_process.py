@@ -42,6 +42,18 @@ class ProcessMixin:
     _launcher_cls: Any  # the front-end's _SubprocessScriptLauncher
     _registry_label: str  # how the registered names describe themselves
 
+    # Decisions: the session's plan once it has started (the one place they are made), the
+    # config's own before (the same values: the plan resolves them from it).
+    @property
+    def stage(self) -> int:
+        session = getattr(self, "_session", None)
+        return session.stage if session is not None else self.config.stage
+
+    @property
+    def state_dict_type(self) -> str:
+        session = getattr(self, "_session", None)
+        return session.state_dict_type if session is not None else self.config.resolved_state_dict_type()
+
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None  # type: ignore[attr-defined]
         if not self.cluster_environment.creates_processes_externally:  # type: ignore[attr-defined]

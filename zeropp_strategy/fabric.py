@@ -110,10 +110,6 @@ class ZeroPPFabricStrategy(ProcessMixin, ParallelStrategy):
     # -- sizes and identity -------------------------------------------------------------
 
     @property
-    def stage(self) -> int:
-        return self.config.stage
-
-    @property
     def session(self) -> ZeroSession:
         if self._session is None:
             raise RuntimeError("ZeroPPFabricStrategy.session is available after Fabric.launch() set up the processes.")
@@ -138,10 +134,6 @@ class ZeroPPFabricStrategy(ProcessMixin, ParallelStrategy):
         bytes per step inside and across nodes). Rank 0 logs its one-line summary at INFO when
         the model is set up; this has every term."""
         return self.session.explain()
-
-    @property
-    def state_dict_type(self) -> str:
-        return self.config.resolved_state_dict_type()
 
     # -- processes ----------------------------------------------------------------------
 

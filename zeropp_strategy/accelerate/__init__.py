@@ -209,7 +209,7 @@ class ZeroPPAccelerator(Accelerator):
                 # gather_16bit=None: Accelerate's mixed precision is autocast over fp32 weights
                 gather_16bit_default=False,
             )
-            self.print(f"zeropp: ZeroPPAccelerator stage {config.stage}, {self.zero_session.topology.describe()}")
+            self.print(f"zeropp: ZeroPPAccelerator stage {self.zero_session.stage}, {self.zero_session.topology.describe()}")
             if self.scaler is not None:  # fp16: the inf check must see every rank's shards
                 self.scaler = ShardedGradScaler(
                     device=self.device.type, group=self.zero_session.meshes.world.get_group(),

@@ -28,15 +28,12 @@ class CheckpointMixin:
     """Checkpoint hooks of ``ZeroPPStrategy`` (see the module docstring)."""
 
     _sharded_path: Path | None  # the sharded checkpoint being loaded, set by load_checkpoint
+    state_dict_type: str  # ProcessMixin's: the session's plan once it has started
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
         # Sharded parameters exist only after setup; load into them, not before.
         return True
-
-    @property
-    def state_dict_type(self) -> str:
-        return self.config.resolved_state_dict_type()
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.lightning_module is not None

@@ -154,10 +154,6 @@ class StrategyMixin(CheckpointMixin, EvaluationMixin, ProcessMixin):
         return self._session.ledger
 
     @property
-    def stage(self) -> int:
-        return self.config.stage
-
-    @property
     def skipped_steps(self) -> int:
         """Optimizer steps dropped by ``on_nonfinite="skip"``."""
         return self._session.skipped_steps if self._session is not None else 0
