@@ -1,6 +1,7 @@
-"""Layer: recipes. What ``SFTModule``, ``RewardModule`` and ``DPOModule`` share: records
-split into train and validation, AdamW, the Hugging Face export at the end of ``fit``, and
-(for the two trained on preference pairs) the pair loaders.
+"""Layer: recipes. What ``SFTModule``, ``RewardModule`` and ``DPOModule`` share: their
+common arguments (documented once, on ``DatasetModule``), records split into train and
+validation, AdamW, the Hugging Face export at the end of ``fit``, and (for the two trained
+on preference pairs) the pair loaders.
 
 Each module builds its networks in ``configure_model`` (meta-device friendly under
 ``zeropp``), runs under any Lightning strategy, and reads its data through ``rlhf.data``.
@@ -26,34 +27,54 @@ __all__ = ["DatasetModule", "PairDatasetModule"]
 class DatasetModule(LightningModule):
     """A module trained on records (``rlhf.data.load_records``): the train/validation
     split (seeded), AdamW over the trainable parameters, and ``export_hf`` at the end of
-    ``fit`` when ``export_dir`` is set. Subclasses build the model and the loaders."""
+    ``fit`` when ``export_dir`` is set. Subclasses build the model and the loaders.
 
-    def __init__(
-        self,
-        *,
-        model: str | dict[str, Any] | None,
-        tokenizer: str | None,
-        data: str,
-        batch_size: int,
-        max_length: int,
-        lr: float,
-        weight_decay: float,
-        val_fraction: float,
-        seed: int,
-        export_dir: str | None = None,
-        dtype: str | None = None,
-    ) -> None:
+    The arguments below are those of ``SFTModule``, ``RewardModule`` and ``DPOModule`` alike,
+    documented here once. Each subclass lists them in its own ``__init__`` signature, with
+    its own defaults, and passes none of them on: its ``super().__init__()``, first thing,
+    saves every argument of that signature (``save_hyperparameters``) and reads these from
+    ``self.hparams``. The signature stays whole because LightningCLI (types, per-class
+    defaults, this help), the unknown-key checks of ``zeropp fit`` and ``zeropp pipeline``
+    (``errors.check_arguments``) and ``save_hyperparameters`` read it: behind a ``**kwargs``
+    the CLI would show the defaults of one class, the checks would accept any key and the
+    hyper-parameters would miss the arguments left at their defaults.
+
+    Args:
+        model: a ``from_pretrained`` folder or hub name, or a transformers config dict
+            (trained from scratch). ``None``: the embedded tiny Llama.
+        tokenizer: a folder/hub name, or ``None``/``"byt5"`` (byte-level, no files).
+        data: a ``.jsonl`` file, a ``datasets`` name, or ``"embedded:addition"``.
+        batch_size: records per process and step (preference pairs for the modules
+            trained on pairs).
+        max_length: tokens per sequence, prompt and response (a longer one loses the start
+            of its prompt).
+        lr: AdamW's learning rate.
+        weight_decay: AdamW's weight decay.
+        val_fraction: part of the records held out for validation, in [0, 1).
+        seed: the train/validation split and the shuffling.
+        export_dir: at the end of ``fit`` the model is written there as a Hugging Face
+            folder (``from_pretrained``-loadable, LoRA merged), with the tokenizer.
+        dtype: the weights' dtype, converted tensor by tensor on load: ``bf16``, ``fp16`` or
+            ``fp32`` (or ``bfloat16``, ``float32``, ...; TRL's ``model_init_kwargs.dtype``).
+            ``None``: the folder's own (fp32 for a config dict). With ``precision:
+            bf16-mixed``, ``fp32`` keeps fp32 master weights of a bf16 folder.
+    """
+
+    def __init__(self) -> None:
         super().__init__()
-        self.export_dir = export_dir
-        self.model_spec = model if model is not None else tiny_llama_config()
+        # every argument of the subclass's __init__: Lightning reads the frames of the __init__ chain
+        self.save_hyperparameters()
+        hp = self.hparams
+        self.export_dir = hp.export_dir
+        self.model_spec = hp.model if hp.model is not None else tiny_llama_config()
         #: the networks' weights dtype when built (``dtype`` of build_causal_lm), checked here:
         #: a bad name fails on every rank before the Trainer starts
-        self.weights_dtype = weights_dtype(dtype)
-        self.tokenizer = build_tokenizer(tokenizer)
-        self.data, self.batch_size, self.max_length = data, batch_size, max_length
-        self.lr, self.weight_decay, self.val_fraction, self.seed = lr, weight_decay, val_fraction, seed
-        if not 0.0 <= val_fraction < 1.0:
-            raise ValueError(f"val_fraction={val_fraction} is invalid: it must be in [0, 1). Fix: e.g. 0.1.")
+        self.weights_dtype = weights_dtype(hp.dtype)
+        self.tokenizer = build_tokenizer(hp.tokenizer)
+        self.data, self.batch_size, self.max_length = hp.data, hp.batch_size, hp.max_length
+        self.lr, self.weight_decay, self.val_fraction, self.seed = hp.lr, hp.weight_decay, hp.val_fraction, hp.seed
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ValueError(f"val_fraction={self.val_fraction} is invalid: it must be in [0, 1). Fix: e.g. 0.1.")
         self._train: list[dict[str, str]] | None = None
         self._val: list[dict[str, str]] | None = None
 

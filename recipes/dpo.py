@@ -36,6 +36,13 @@ class DPOModule(PairDatasetModule):
     policy before training (so both start equal; under meta-device init the two are
     initialized separately, so start DPO from a trained folder, as one does).
 
+    Logs loss, preference accuracy (implicit reward of chosen > rejected) and the margin.
+
+    The arguments not listed below are those ``SFTModule``, ``RewardModule`` and
+    ``DPOModule`` share, documented on ``recipes.base.DatasetModule``. The defaults that
+    differ here: ``batch_size=16`` and ``lr=5e-4`` (``SFTModule`` and ``RewardModule``: 32
+    and 1e-3), ``val_fraction=0.1`` (``SFTModule``: 0.05).
+
     Args:
         model: the SFT stage's output folder (or any ``from_pretrained`` name / config dict).
         beta: the DPO temperature (0.1 is the paper's default).
@@ -43,8 +50,6 @@ class DPOModule(PairDatasetModule):
         precompute_reference: compute the reference's log-probs of every training and
             validation pair once, in ``configure_model`` (before sharding, on every rank),
             then drop the reference model: one model's memory less during training.
-        (others as ``SFTModule``)
-    Logs loss, preference accuracy (implicit reward of chosen > rejected) and the margin.
     """
 
     def __init__(
@@ -64,12 +69,9 @@ class DPOModule(PairDatasetModule):
         export_dir: str | None = None,
         dtype: str | None = None,
     ) -> None:
-        super().__init__(model=model, tokenizer=tokenizer, data=data, batch_size=batch_size, max_length=max_length,
-                         lr=lr, weight_decay=weight_decay, val_fraction=val_fraction, seed=seed,
-                         export_dir=export_dir, dtype=dtype)
+        super().__init__()  # DatasetModule: saves every argument above, sets the shared ones
         if beta <= 0:
             raise ValueError(f"DPOModule(beta={beta}) is invalid: it must be > 0. Fix: e.g. beta=0.1.")
-        self.save_hyperparameters()
         self.beta = beta
         self.lora = lora
         self.precompute_reference = precompute_reference

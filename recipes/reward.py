@@ -30,13 +30,18 @@ class RewardModule(PairDatasetModule):
     std of the scores seen in validation are stored in the checkpoint
     (``reward_mean``/``reward_std``) for reward normalisation in PPO.
 
+    The arguments not listed below are those ``SFTModule``, ``RewardModule`` and
+    ``DPOModule`` share, documented on ``recipes.base.DatasetModule``. The default that
+    differs here: ``val_fraction=0.1`` (``SFTModule``: 0.05).
+
     Args:
-        model: as ``SFTModule`` (a causal LM folder: its transformer body is used), or the
+        model: as ``DatasetModule`` (a causal LM folder: its transformer body is used), or the
             SFT stage's output folder.
         margin: the pairwise margin (0 = plain Bradley-Terry).
         center_coef: reward-centering coefficient (0 = off).
         lora: as ``SFTModule``, on the transformer body; the scalar head always trains.
-        (others as ``SFTModule``)
+        export_dir: at the end of ``fit``, the backbone folder plus ``value_head.safetensors``
+            and ``reward_stats.json`` (what ``PPOModule(reward_model=...)`` reads).
     """
 
     def __init__(
@@ -56,10 +61,7 @@ class RewardModule(PairDatasetModule):
         export_dir: str | None = None,
         dtype: str | None = None,
     ) -> None:
-        super().__init__(model=model, tokenizer=tokenizer, data=data, batch_size=batch_size, max_length=max_length,
-                         lr=lr, weight_decay=weight_decay, val_fraction=val_fraction, seed=seed,
-                         export_dir=export_dir, dtype=dtype)
-        self.save_hyperparameters()
+        super().__init__()  # DatasetModule: saves every argument above, sets the shared ones
         self.margin, self.center_coef = margin, center_coef
         self.lora = lora
         self.model: ScalarHeadModel | None = None

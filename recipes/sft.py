@@ -29,11 +29,11 @@ class SFTModule(DatasetModule):
     length; ``train_on_prompt=True`` trains on everything). Validation logs the loss and
     the perplexity ``exp(loss)``.
 
+    The arguments not listed below are those ``SFTModule``, ``RewardModule`` and
+    ``DPOModule`` share, documented on ``recipes.base.DatasetModule``. The default that
+    differs here: ``val_fraction=0.05`` (``RewardModule`` and ``DPOModule``: 0.1).
+
     Args:
-        model: a ``from_pretrained`` folder or hub name, or a transformers config dict
-            (trained from scratch). Default: the embedded tiny Llama.
-        tokenizer: a folder/hub name, or ``None``/``"byt5"`` (byte-level, no files).
-        data: a ``.jsonl`` file, a ``datasets`` name, or ``"embedded:addition"``.
         train_on_prompt: also train on the prompt tokens.
         packing: pack several examples into each row of up to ``max_length`` tokens (fewer
             rows, no padding to speak of); positions restart at each example. Attention is
@@ -41,15 +41,6 @@ class SFTModule(DatasetModule):
             (as TRL's ``ConstantLengthDataset``); leave it off when that matters.
         lora: peft ``LoraConfig`` fields (e.g. ``{"r": 8, "target_modules": ["q_proj", "v_proj"]}``):
             only the adapters train; ``None`` trains every weight.
-        batch_size, max_length, lr, weight_decay: as usual.
-        val_fraction: part of the records held out for validation.
-        seed: the train/validation split.
-        export_dir: at the end of ``fit`` the model is written there as a Hugging Face
-            folder (``from_pretrained``-loadable, LoRA merged), with the tokenizer.
-        dtype: the weights' dtype, converted tensor by tensor on load: ``bf16``, ``fp16`` or
-            ``fp32`` (or ``bfloat16``, ``float32``, ...; TRL's ``model_init_kwargs.dtype``).
-            ``None``: the folder's own (fp32 for a config dict). With ``precision:
-            bf16-mixed``, ``fp32`` keeps fp32 master weights of a bf16 folder.
     """
 
     def __init__(
@@ -69,10 +60,7 @@ class SFTModule(DatasetModule):
         export_dir: str | None = None,
         dtype: str | None = None,
     ) -> None:
-        super().__init__(model=model, tokenizer=tokenizer, data=data, batch_size=batch_size, max_length=max_length,
-                         lr=lr, weight_decay=weight_decay, val_fraction=val_fraction, seed=seed,
-                         export_dir=export_dir, dtype=dtype)
-        self.save_hyperparameters()
+        super().__init__()  # DatasetModule: saves every argument above, sets the shared ones
         self.train_on_prompt = train_on_prompt
         self.packing = packing
         self.lora = lora
