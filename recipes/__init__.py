@@ -4,7 +4,8 @@
     from zeropp_strategy.recipes import SFTModule, RewardModule, DPOModule, PPOModule, GRPOModule
 
 One module per recipe, beside its YAML: ``sft.py`` / ``sft.yaml``, ``reward.py``,
-``dpo.py``, ``ppo.py``, ``grpo.py`` (``base.py``: what SFT, reward and DPO share); the
+``dpo.py``, ``ppo.py``, ``grpo.py`` (``base.py``: what SFT, reward and DPO share;
+``rollout.py``: ``RolloutModule``, what PPO and GRPO share, not a recipe of its own); the
 pipeline recipes (``pipeline*.yaml``) and the Accelerate launch configs (``accelerate/``)
 are data only. The modules are built on the framework-free pieces of ``zeropp_strategy.rlhf``
 (formulas, data, models, generation, export).

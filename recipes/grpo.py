@@ -30,8 +30,10 @@ One training step = one rollout and its updates (manual optimization):
    ``old_logp``, plus ``beta * KL`` per token, aggregated by ``loss_aggregation``. With one
    pass in one mini-batch the ratio is 1 and the rollout's forward is skipped.
 
-Every network has its dropout off (``disable_dropout``, in train mode), and every forward
-goes through ``self(kind, ...)``, for the reasons given in ``recipes/ppo.py``'s header.
+What it shares with ``PPOModule`` (set-up, ``forward`` by kind, prompt loaders, sampling,
+the update loop, validation, export) is ``RolloutModule``'s, in ``rollout.py``: every
+network has its dropout off (``disable_dropout``, in train mode), and every forward goes
+through ``self(kind, ...)``, for the reasons given in that file's header.
 """
 
 from __future__ import annotations
@@ -40,34 +42,20 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from lightning.pytorch import LightningModule
-from torch import Tensor, nn
-from torch.utils.data import DataLoader
+from torch import Tensor
 
-from zeropp_strategy.toolkit import copy_on_materialize, weights_dtype
+from zeropp_strategy.recipes.rollout import EMBEDDED, RolloutModule
+from zeropp_strategy.toolkit import copy_on_materialize
 from zeropp_strategy.rlhf import grpo_ops, ops
-from zeropp_strategy.rlhf.data import EvalShard, PromptCollator, load_records
-from zeropp_strategy.rlhf.generation import decode_responses, gathered, sample
-from zeropp_strategy.rlhf.models import (
-    ScalarHeadModel,
-    apply_lora,
-    build_causal_lm,
-    disable_dropout,
-    build_tokenizer,
-    positions,
-    tiny_llama_config,
-)
+from zeropp_strategy.rlhf.data import PromptCollator
+from zeropp_strategy.rlhf.generation import decode_responses
+from zeropp_strategy.rlhf.models import ScalarHeadModel, apply_lora, build_causal_lm
 from zeropp_strategy.rlhf.rewards import addition_reward, call_reward_func, import_path, resolve_reward_funcs
-from zeropp_strategy.rlhf.task import AdditionTask
 
 __all__ = ["GRPOModule"]
 
-EMBEDDED = "embedded:addition"
-
-
-def _check(ok: bool, field: str, value: Any, fix: str) -> None:
-    if not ok:
-        raise ValueError(f"GRPOModule({field}={value!r}) is invalid. Fix: {fix}.")
+# what one update reads of the rollout (``old_logp`` and ``ref_logp`` when it has them)
+_UPDATE_KEYS = ["prompt_ids", "prompt_mask", "response", "mask", "advantages", "old_logp", "ref_logp"]
 
 
 def _std(x: Tensor) -> Tensor:
@@ -89,7 +77,7 @@ class _GroupCollator:
         return out
 
 
-class GRPOModule(LightningModule):
+class GRPOModule(RolloutModule):
     """GRPO-family policy optimisation: groups of sampled completions, verifiable rewards.
 
     Args:
@@ -116,7 +104,8 @@ class GRPOModule(LightningModule):
         mini_batch_size: completions per rank per update.
         num_iterations: passes over each rollout (the ratio is against the rollout's policy).
         max_prompt_length, max_new_tokens: prompt tokens kept (from the right), completion cap.
-        temperature, top_k: sampling; the same values recompute the log-probs.
+        temperature, top_k: sampling. Log-probs are recomputed at ``temperature`` over the
+            whole vocabulary: ``top_k`` shapes the sampling only.
         advantage_estimator: ``grpo``, ``dr_grpo``, ``rloo`` or ``reinforce_pp``.
         loss_aggregation: ``sequence``, ``token`` (DAPO) or ``fixed_length`` (Dr. GRPO,
             divides by ``max_new_tokens``).
@@ -174,66 +163,52 @@ class GRPOModule(LightningModule):
     ) -> None:
         super().__init__()
         completions = rollout_batch_size * num_generations
-        _check(rollout_batch_size >= 1, "rollout_batch_size", rollout_batch_size, "use a positive number, e.g. 8")
-        _check(num_generations >= 2, "num_generations", num_generations,
-               "use 2 or more: the advantage compares completions of the same prompt")
-        _check(1 <= mini_batch_size <= completions, "mini_batch_size", mini_batch_size,
-               f"use 1..rollout_batch_size * num_generations ({completions})")
-        _check(num_iterations >= 1, "num_iterations", num_iterations, "use 1 or more")
-        _check(eval_batch_size >= 1, "eval_batch_size", eval_batch_size, "use a positive number, e.g. 32")
-        _check(max_new_tokens >= 1, "max_new_tokens", max_new_tokens, "use 1 or more")
-        _check(temperature > 0, "temperature", temperature, "use a value > 0, e.g. 1.0")
-        _check(top_k >= 0, "top_k", top_k, "use 0 (off) or a positive count")
-        _check(advantage_estimator in grpo_ops.ADVANTAGE_ESTIMATORS, "advantage_estimator", advantage_estimator,
-               f"use one of {', '.join(grpo_ops.ADVANTAGE_ESTIMATORS)}")
-        _check(loss_aggregation in grpo_ops.LOSS_AGGREGATIONS, "loss_aggregation", loss_aggregation,
-               f"use one of {', '.join(grpo_ops.LOSS_AGGREGATIONS)}")
-        _check(0 < clip_low < 1, "clip_low", clip_low, "use a value in (0, 1), e.g. 0.2")
-        _check(clip_high > 0, "clip_high", clip_high, "use a value > 0, e.g. 0.28 (DAPO) or clip_low")
-        _check(beta >= 0, "beta", beta, "use 0 (no KL term, no reference) or a positive weight, e.g. 0.04")
-        _check(kl_estimator in ("k1", "k2", "k3"), "kl_estimator", kl_estimator, "use 'k1', 'k2' or 'k3'")
-        _check(reference is None or beta > 0, "reference", reference,
-               "set beta > 0 to use a reference (with beta=0 none is built), or drop reference")
-        _check(max_sampling_rounds >= 1, "max_sampling_rounds", max_sampling_rounds, "use 1 or more, e.g. 4")
-        _check(lr > 0, "lr", lr, "use a value > 0, e.g. 1e-5")
-        _check(max_grad_norm is None or max_grad_norm > 0, "max_grad_norm", max_grad_norm, "use None or a value > 0")
+        self._check(rollout_batch_size >= 1, "rollout_batch_size", rollout_batch_size,
+                    "use a positive number, e.g. 8")
+        self._check(num_generations >= 2, "num_generations", num_generations,
+                    "use 2 or more: the advantage compares completions of the same prompt")
+        self._check(1 <= mini_batch_size <= completions, "mini_batch_size", mini_batch_size,
+                    f"use 1..rollout_batch_size * num_generations ({completions})")
+        self._check(num_iterations >= 1, "num_iterations", num_iterations, "use 1 or more")
+        self._check(eval_batch_size >= 1, "eval_batch_size", eval_batch_size, "use a positive number, e.g. 32")
+        self._check(max_new_tokens >= 1, "max_new_tokens", max_new_tokens, "use 1 or more")
+        self._check(temperature > 0, "temperature", temperature, "use a value > 0, e.g. 1.0")
+        self._check(top_k >= 0, "top_k", top_k, "use 0 (off) or a positive count")
+        self._check(advantage_estimator in grpo_ops.ADVANTAGE_ESTIMATORS, "advantage_estimator", advantage_estimator,
+                    f"use one of {', '.join(grpo_ops.ADVANTAGE_ESTIMATORS)}")
+        self._check(loss_aggregation in grpo_ops.LOSS_AGGREGATIONS, "loss_aggregation", loss_aggregation,
+                    f"use one of {', '.join(grpo_ops.LOSS_AGGREGATIONS)}")
+        self._check(0 < clip_low < 1, "clip_low", clip_low, "use a value in (0, 1), e.g. 0.2")
+        self._check(clip_high > 0, "clip_high", clip_high, "use a value > 0, e.g. 0.28 (DAPO) or clip_low")
+        self._check(beta >= 0, "beta", beta, "use 0 (no KL term, no reference) or a positive weight, e.g. 0.04")
+        self._check(kl_estimator in ("k1", "k2", "k3"), "kl_estimator", kl_estimator, "use 'k1', 'k2' or 'k3'")
+        self._check(reference is None or beta > 0, "reference", reference,
+                    "set beta > 0 to use a reference (with beta=0 none is built), or drop reference")
+        self._check(max_sampling_rounds >= 1, "max_sampling_rounds", max_sampling_rounds, "use 1 or more, e.g. 4")
+        self._check(lr > 0, "lr", lr, "use a value > 0, e.g. 1e-5")
+        self._check(max_grad_norm is None or max_grad_norm > 0, "max_grad_norm", max_grad_norm,
+                    "use None or a value > 0")
         if reward_funcs is None and reward_model is None:
-            _check(data == EMBEDDED, "reward_funcs", reward_funcs,
-                   "name a reward function (e.g. mypkg.rewards.accuracy) or a reward_model folder: only "
-                   "data='embedded:addition' has a built-in check")
+            self._check(data == EMBEDDED, "reward_funcs", reward_funcs,
+                        "name a reward function (e.g. mypkg.rewards.accuracy) or a reward_model folder: only "
+                        "data='embedded:addition' has a built-in check")
             reward_funcs = [addition_reward]
         self.reward_funcs = resolve_reward_funcs(reward_funcs)
         sources = len(self.reward_funcs) + (reward_model is not None)
-        _check(reward_weights is None or len(reward_weights) == sources, "reward_weights", reward_weights,
-               f"give one weight per reward ({sources}: the reward functions, then the reward model), or None")
+        self._check(reward_weights is None or len(reward_weights) == sources, "reward_weights", reward_weights,
+                    f"give one weight per reward ({sources}: the reward functions, then the reward model), or None")
         self.save_hyperparameters(ignore=["reward_funcs"])
         # What a recipe would write, so the checkpoint's hyper-parameters stay plain data.
         self.hparams["reward_funcs"] = [import_path(f) for _, f in self.reward_funcs]
-        self.automatic_optimization = False
-        if eval_data is None:
-            # No evaluation prompts, no validation: Lightning skips it, quietly, when neither
-            # hook is overridden. (An empty val_dataloader made it warn that its length is zero.)
-            self.validation_step = self.val_dataloader = None  # type: ignore[assignment, method-assign]
         self.reward_names = [n for n, _ in self.reward_funcs] + (["reward_model"] if reward_model is not None else [])
         self.reward_weights = torch.tensor(reward_weights if reward_weights is not None else [1.0] * sources)
-        self.weights_dtype = weights_dtype(dtype)  # a bad name fails here, on every rank
-        self.actor_spec = actor if actor is not None else tiny_llama_config()
-        self.reward_spec, self.reference_spec = reward_model, reference
-        self.tokenizer = build_tokenizer(tokenizer)
-        if self.tokenizer.eos_token_id is None:
-            raise ValueError("GRPOModule(tokenizer=...) has no eos_token_id. Fix: use a tokenizer with an EOS token.")
-        self.eos_id = self.tokenizer.eos_token_id
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
-        self.actor: nn.Module | None = None
-        self.reference: nn.Module | None = None
-        self.reward_model: ScalarHeadModel | None = None
+        self._set_up(actor=actor, reference=reference, tokenizer=tokenizer, eval_data=eval_data, dtype=dtype)
+        self.reward_spec = reward_model
         self._refill: Iterator[dict[str, Any]] | None = None
 
     # -- networks ---------------------------------------------------------------------------
 
-    def configure_model(self) -> None:
-        if self.actor is not None:
-            return
+    def _build_networks(self) -> None:
         dtype = self.weights_dtype
         actor = build_causal_lm(self.actor_spec, dtype=dtype)
         if self.hparams.beta > 0:  # the reference serves the KL term only: none without it
@@ -243,54 +218,14 @@ class GRPOModule(LightningModule):
         if self.reward_spec is not None:
             self.reward_model = ScalarHeadModel(self.reward_spec, dtype=dtype).requires_grad_(False)
         self.actor = apply_lora(actor, self.hparams.lora)
-        for net in (self.actor, self.reference, self.reward_model):
-            if net is not None:  # dropout off, in train mode: see PPOModule
-                disable_dropout(net).train(self.training)
-
-    def forward(self, kind: str, input_ids: Tensor, attention_mask: Tensor, **kwargs: Any) -> Any:
-        """Every network call, by ``kind``: ``sample`` (completions), ``actor`` /
-        ``reference`` (logits), ``score`` (reward model)."""
-        assert self.actor is not None
-        if kind == "sample":
-            with gathered(self.actor, enabled=self.hparams.gather_for_generation):
-                return sample(self.actor, input_ids, attention_mask, **kwargs)
-        pos = positions(attention_mask)
-        if kind == "actor" or (kind == "reference" and self.reference is not None):
-            net = self.actor if kind == "actor" else self.reference
-            return net(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos).logits
-        if kind == "score" and self.reward_model is not None:
-            return self.reward_model.score(input_ids, attention_mask, pos)
-        raise ValueError(f"GRPOModule.forward(kind={kind!r}): no such network in this module.")
 
     # -- data -------------------------------------------------------------------------------
 
-    def _records(self, source: str, kind: str) -> list[dict[str, Any]]:
-        """One record per distinct prompt; the embedded task's records keep the prompt only
-        (their ``response`` is a demonstration, not a reference answer)."""
-        seen: set[str] = set()
-        out = []
-        for record in load_records(source, kind=kind):
-            if record["prompt"] not in seen:
-                seen.add(record["prompt"])
-                out.append({"prompt": record["prompt"]} if source == EMBEDDED else dict(record))
-        return out
+    def _collator(self) -> _GroupCollator:
+        return _GroupCollator(self.tokenizer, self.hparams.max_prompt_length)
 
-    def _loader(self, source: str, kind: str, batch_size: int, generator: torch.Generator | None) -> DataLoader:
-        records = self._records(source, kind)
-        return DataLoader(records, batch_size=batch_size, shuffle=generator is not None,
-                          sampler=None if generator is not None else EvalShard(records),
-                          drop_last=generator is not None, generator=generator,
-                          collate_fn=_GroupCollator(self.tokenizer, self.hparams.max_prompt_length))
-
-    def train_dataloader(self) -> DataLoader:
-        hp = self.hparams
-        return self._loader(hp.data, "sft", hp.rollout_batch_size, torch.Generator().manual_seed(hp.seed))
-
-    def val_dataloader(self) -> DataLoader | list:
-        hp = self.hparams
-        if hp.eval_data is None:
-            return []
-        return self._loader(hp.eval_data, "eval", hp.eval_batch_size, None)
+    def _eval_batch_size(self) -> int:
+        return self.hparams.eval_batch_size
 
     def _refill_batch(self) -> dict[str, Any]:
         """The next prompts for dynamic sampling: this rank's own endless shuffled stream."""
@@ -307,23 +242,13 @@ class GRPOModule(LightningModule):
 
     # -- rollout ----------------------------------------------------------------------------
 
-    def _generator(self, step: int) -> torch.Generator:
-        """One sampling stream per (seed, step, rank), the same under every strategy."""
-        g = torch.Generator(device=self.device)
-        g.manual_seed(self.hparams.seed * 1_000_003 + step * 1009 + self.global_rank)
-        return g
-
     @torch.no_grad()
     def rollout(self, batch: dict[str, Any], generator: torch.Generator, group_size: int) -> dict[str, Any]:
         """``group_size`` completions per prompt, and their rewards: ``rewards`` (weighted
         sum, ``[n]``) and ``by_source`` (``[sources, n]``, NaN where a function gave None)."""
-        hp = self.hparams
         prompt_ids = batch["input_ids"].repeat_interleave(group_size, 0)
         prompt_mask = batch["attention_mask"].repeat_interleave(group_size, 0)
-        response = self("sample", prompt_ids, prompt_mask, max_new_tokens=hp.max_new_tokens, eos_id=self.eos_id,
-                        pad_id=self.pad_id, temperature=hp.temperature, top_k=hp.top_k, generator=generator,
-                        stop_when_done=hp.gather_for_generation or self._fsdp_blocks() == 0)
-        mask = ops.response_mask(response, self.eos_id)
+        response, mask = self._sample(prompt_ids, prompt_mask, generator)
         prompts = [p for p in batch["prompts"] for _ in range(group_size)]
         completions = decode_responses(self.tokenizer, response, self.eos_id)
         columns = {k: [v for v in values for _ in range(group_size)] for k, values in batch["columns"].items()}
@@ -331,30 +256,12 @@ class GRPOModule(LightningModule):
         exp = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask.long(), "response": response, "mask": mask}
         rows = [torch.tensor(v, dtype=torch.float32, device=self.device) for v in by_source]
         if self.reward_model is not None:
-            stats = self.reward_model.reward_stats
-            score = self("score", *self._sequences(exp)).float()
-            rows.append((score - stats["mean"]) / max(stats["std"], 1e-6))
+            rows.append(self._normalized(self("score", *self._sequences(exp)).float()))
         exp["by_source"] = torch.stack(rows)
         weights = self.reward_weights.to(self.device).unsqueeze(1)
         exp["rewards"] = torch.nansum(exp["by_source"] * weights, dim=0)
         exp["prompts"], exp["completions"] = prompts, completions
         return exp
-
-    def _fsdp_blocks(self) -> int:
-        from zeropp_strategy.toolkit import fsdp_modules
-
-        return len(fsdp_modules(self.actor))
-
-    @staticmethod
-    def _sequences(exp: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
-        return (torch.cat([exp["prompt_ids"], exp["response"]], 1), torch.cat([exp["prompt_mask"], exp["mask"]], 1))
-
-    def _logp(self, kind: str, exp: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
-        """Log-probs of the completion tokens under ``kind``, and the logits they come from."""
-        prompt_len = exp["prompt_ids"].shape[1]
-        logits = self(kind, *self._sequences(exp))[:, prompt_len - 1 : -1]
-        hp = self.hparams
-        return ops.token_logprobs(logits, exp["response"], temperature=hp.temperature, top_k=hp.top_k), logits
 
     def _any_rank(self, flag: bool) -> bool:
         """Collective: is ``flag`` true on some rank?"""
@@ -416,42 +323,18 @@ class GRPOModule(LightningModule):
             per_token = per_token + hp.beta * kl
             stats["kl"] = ops.masked_mean(kl, mask).detach()
         loss = grpo_ops.aggregate_loss(per_token, mask, hp.loss_aggregation, max_tokens=hp.max_new_tokens)
-        with torch.no_grad():
-            stats["entropy"] = ops.masked_mean(
-                ops.entropy_from_logits(logits, temperature=hp.temperature, top_k=hp.top_k), mask)
+        stats["entropy"] = self._entropy(logits, mask)
         stats["loss"] = loss.detach()
         return loss, stats
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         hp = self.hparams
         exp, first = self.make_experience(batch, self._generator(self.global_step))
-        opt = self.optimizers()
-        n = exp["mask"].shape[0]
-        order = torch.Generator().manual_seed(hp.seed + 7919 * self.global_step)
-        keys = [k for k in ("prompt_ids", "prompt_mask", "response", "mask", "advantages", "old_logp", "ref_logp")
-                if k in exp]
-        totals: dict[str, Tensor] = {}
-        updates = 0
-        for _ in range(hp.num_iterations):
-            perm = torch.randperm(n, generator=order)
-            for start in range(0, n, hp.mini_batch_size):
-                idx = perm[start : start + hp.mini_batch_size].to(self.device)
-                loss, stats = self.grpo_loss({k: exp[k][idx] for k in keys})
-                opt.zero_grad()
-                self.manual_backward(loss)
-                if hp.max_grad_norm is not None:
-                    self.clip_gradients(opt, gradient_clip_val=hp.max_grad_norm, gradient_clip_algorithm="norm")
-                opt.step()
-                for k, v in stats.items():
-                    totals[k] = totals.get(k, 0.0) + v
-                updates += 1
-        logs = {k: v / updates for k, v in totals.items()}
+        logs = self._update(exp, [k for k in _UPDATE_KEYS if k in exp], hp.num_iterations, self.grpo_loss)
         logs.update(self._rollout_stats(first, hp.data, hp.num_generations))
         if hp.dynamic_sampling:
             logs.update({"filled_fraction": exp["filled_fraction"], "sampling_rounds": exp["rounds"]})
-        prompts = len(batch["prompts"])
-        self.log_dict({f"train_{k}": v for k, v in logs.items()}, sync_dist=True, batch_size=prompts)
-        self.log("train_reward_mean", logs["reward"], sync_dist=True, prog_bar=True, batch_size=prompts)
+        self._log_train(logs, len(batch["prompts"]))
 
     def _rollout_stats(self, exp: dict[str, Any], source: str | None, group_size: int) -> dict[str, Tensor]:
         """What users watch, from one draw (the first: an unbiased sample of the policy)."""
@@ -464,36 +347,20 @@ class GRPOModule(LightningModule):
         if group_size > 1:
             signal = grpo_ops.groups_with_signal(exp["rewards"], group_size)
             out["zero_variance_fraction"] = 1.0 - signal.float().mean()
-        if source == EMBEDDED:
-            right = [AdditionTask.score(p, c) for p, c in zip(exp["prompts"], exp["completions"])]
-            out["task_accuracy"] = torch.tensor(right, device=self.device).mean()
+        checker = self.task_checker(source)
+        if checker is not None:
+            out["task_accuracy"] = self._accuracy(checker, exp["prompts"], exp["completions"])
         return out
 
     # -- evaluation -------------------------------------------------------------------------
 
-    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        # One completion per prompt; the draws depend on the batch only (same before and after).
-        exp = self.rollout(batch, self._generator(10**6 + batch_idx), 1)
+    def _validation_metrics(self, batch: dict[str, Any], generator: torch.Generator) -> dict[str, tuple[Tensor, bool]]:
+        exp = self.rollout(batch, generator, 1)  # one completion per prompt
         stats = self._rollout_stats(exp, self.hparams.eval_data, 1)
-        prompts = len(batch["prompts"])
-        for key in ("reward", "completion_length", "eos_fraction", "task_accuracy"):
-            if key in stats:
-                self.log(f"val_{key}", stats[key], sync_dist=True, prog_bar=key != "completion_length",
-                         batch_size=prompts)
+        return {key: (stats[key], key != "completion_length")
+                for key in ("reward", "completion_length", "eos_fraction", "task_accuracy") if key in stats}
 
-    # -- optimizers and export --------------------------------------------------------------
+    # -- optimizers -------------------------------------------------------------------------
 
     def configure_optimizers(self) -> Any:
-        hp = self.hparams
-        params = [p for p in self.actor.parameters() if p.requires_grad]
-        return torch.optim.AdamW(params, lr=hp.lr, weight_decay=hp.weight_decay)
-
-    def on_fit_end(self) -> None:
-        if self.hparams.export_dir:
-            self.export_hf(self.hparams.export_dir)
-
-    def export_hf(self, directory: str) -> None:
-        """Collective: the actor (LoRA merged) as a Hugging Face folder."""
-        from zeropp_strategy.rlhf.export import export_causal_lm
-
-        export_causal_lm(self.actor, directory, tokenizer=self.tokenizer)
+        return self._adamw(self.actor, self.hparams.lr)

@@ -23,13 +23,9 @@ One training step = one rollout and its PPO updates (manual optimization):
    steps both optimizers (actor and critic have their own learning rates).
 3. Optional EMA of the actor, updated on each rank's own shard under ZeRO-3.
 
-Every network has its dropout off (``rlhf.models.disable_dropout``: p = 0, in train
-mode): dropout would make the recomputed log-probs differ from the sampled ones and bias
-the KL and the ratio.
-
-Every forward goes through ``self(kind, ...)`` (``forward`` dispatches on ``kind``): under
-``zeropp`` stage 3 that is the FSDP root's forward, which gathers the parameters outside
-the transformer blocks (embeddings, heads) and registers the backward hooks.
+What it shares with ``GRPOModule`` (set-up, ``forward`` by kind, prompt loaders, sampling,
+the update loop, validation, export) is ``RolloutModule``'s, in ``rollout.py``; its header
+says why every network has its dropout off and every forward goes through ``self(kind, ...)``.
 """
 
 from __future__ import annotations
@@ -38,36 +34,25 @@ import copy
 from typing import Any
 
 import torch
-from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-from zeropp_strategy.toolkit import copy_on_materialize, fsdp_modules, weights_dtype
+from zeropp_strategy.recipes.rollout import RolloutModule
+from zeropp_strategy.toolkit import copy_on_materialize
 from zeropp_strategy.rlhf import ops
-from zeropp_strategy.rlhf.data import EvalShard, PromptCollator, SFTCollator, load_records
-from zeropp_strategy.rlhf.generation import decode_responses, gathered, sample
-from zeropp_strategy.rlhf.models import (
-    ScalarHeadModel,
-    apply_lora,
-    build_causal_lm,
-    disable_dropout,
-    build_tokenizer,
-    positions,
-    tiny_llama_config,
-)
+from zeropp_strategy.rlhf.data import SFTCollator, load_records
+from zeropp_strategy.rlhf.generation import decode_responses
+from zeropp_strategy.rlhf.models import ScalarHeadModel, apply_lora, build_causal_lm, tiny_llama_config
 from zeropp_strategy.toolkit import local as _local
 
 __all__ = ["PPOModule"]
 
-
-def _check(ok: bool, field: str, value: Any, fix: str) -> None:
-    if not ok:
-        raise ValueError(f"PPOModule({field}={value!r}) is invalid. Fix: {fix}.")
-
+# what one PPO update reads of the rollout
+_UPDATE_KEYS = ["prompt_ids", "response", "mask", "sequences", "attention", "old_logp", "old_values", "advantages",
+                "returns"]
 
 
-
-class PPOModule(LightningModule):
+class PPOModule(RolloutModule):
     """PPO on prompts, with actor, critic, reference and reward model.
 
     Args:
@@ -87,7 +72,8 @@ class PPOModule(LightningModule):
         mini_batch_size: sequences per rank per PPO update.
         ppo_epochs: passes over each rollout.
         max_prompt_length, max_new_tokens: prompt tokens kept (from the right), response cap.
-        temperature, top_k: sampling; the same values are used to recompute log-probs.
+        temperature, top_k: sampling. Log-probs (the ratio, the KL penalty) are recomputed at
+            ``temperature`` over the whole vocabulary: ``top_k`` shapes the sampling only.
             ``top_k=0`` samples from the full distribution (recommended for PPO).
         kl_coef: weight of the per-token KL penalty in the reward.
         kl_estimator: ``"k1"`` (log-ratio, InstructGPT) or ``"k3"`` (never negative).
@@ -154,51 +140,37 @@ class PPOModule(LightningModule):
         dtype: str | None = None,
     ) -> None:
         super().__init__()
-        _check(rollout_batch_size >= 1, "rollout_batch_size", rollout_batch_size, "use a positive number, e.g. 32")
-        _check(1 <= mini_batch_size <= rollout_batch_size, "mini_batch_size", mini_batch_size,
-               f"use 1..rollout_batch_size ({rollout_batch_size})")
-        _check(ppo_epochs >= 1, "ppo_epochs", ppo_epochs, "use 1 or more")
-        _check(max_new_tokens >= 1, "max_new_tokens", max_new_tokens, "use 1 or more")
-        _check(temperature > 0, "temperature", temperature, "use a value > 0, e.g. 1.0")
-        _check(top_k >= 0, "top_k", top_k, "use 0 (off) or a positive count")
-        _check(kl_estimator in ("k1", "k2", "k3"), "kl_estimator", kl_estimator, "use 'k1', 'k2' or 'k3'")
-        _check(kl_coef >= 0, "kl_coef", kl_coef, "use a value >= 0, e.g. 0.05")
-        _check(reward_clip is None or reward_clip > 0, "reward_clip", reward_clip, "use None or a value > 0")
-        _check(0 <= gamma <= 1, "gamma", gamma, "use a value in [0, 1]")
-        _check(0 <= lam <= 1, "lam", lam, "use a value in [0, 1]")
-        _check(clip_eps > 0, "clip_eps", clip_eps, "use a value > 0, e.g. 0.2")
-        _check(value_clip is None or value_clip > 0, "value_clip", value_clip, "use None or a value > 0")
-        _check(ptx_coef >= 0, "ptx_coef", ptx_coef, "use a value >= 0")
-        _check(ptx_coef == 0 or ptx_data is not None, "ptx_data", ptx_data,
-               "name the SFT records to mix in (e.g. embedded:addition) when ptx_coef > 0")
-        _check(ema_decay is None or 0 < ema_decay < 1, "ema_decay", ema_decay, "use None or a value in (0, 1)")
+        self._check(rollout_batch_size >= 1, "rollout_batch_size", rollout_batch_size, "use a positive number, e.g. 32")
+        self._check(1 <= mini_batch_size <= rollout_batch_size, "mini_batch_size", mini_batch_size,
+                    f"use 1..rollout_batch_size ({rollout_batch_size})")
+        self._check(ppo_epochs >= 1, "ppo_epochs", ppo_epochs, "use 1 or more")
+        self._check(max_new_tokens >= 1, "max_new_tokens", max_new_tokens, "use 1 or more")
+        self._check(temperature > 0, "temperature", temperature, "use a value > 0, e.g. 1.0")
+        self._check(top_k >= 0, "top_k", top_k, "use 0 (off) or a positive count")
+        self._check(kl_estimator in ("k1", "k2", "k3"), "kl_estimator", kl_estimator, "use 'k1', 'k2' or 'k3'")
+        self._check(kl_coef >= 0, "kl_coef", kl_coef, "use a value >= 0, e.g. 0.05")
+        self._check(reward_clip is None or reward_clip > 0, "reward_clip", reward_clip, "use None or a value > 0")
+        self._check(0 <= gamma <= 1, "gamma", gamma, "use a value in [0, 1]")
+        self._check(0 <= lam <= 1, "lam", lam, "use a value in [0, 1]")
+        self._check(clip_eps > 0, "clip_eps", clip_eps, "use a value > 0, e.g. 0.2")
+        self._check(value_clip is None or value_clip > 0, "value_clip", value_clip, "use None or a value > 0")
+        self._check(ptx_coef >= 0, "ptx_coef", ptx_coef, "use a value >= 0")
+        self._check(ptx_coef == 0 or ptx_data is not None, "ptx_data", ptx_data,
+                    "name the SFT records to mix in (e.g. embedded:addition) when ptx_coef > 0")
+        self._check(ema_decay is None or 0 < ema_decay < 1, "ema_decay", ema_decay, "use None or a value in (0, 1)")
+        self._check(max_grad_norm is None or max_grad_norm > 0, "max_grad_norm", max_grad_norm,
+                    "use None or a value > 0")
         self.save_hyperparameters()
-        self.automatic_optimization = False
-        if eval_data is None:
-            # No evaluation prompts, no validation: Lightning skips it, quietly, when neither
-            # hook is overridden. (An empty val_dataloader made it warn that its length is zero.)
-            self.validation_step = self.val_dataloader = None  # type: ignore[assignment, method-assign]
-        self.weights_dtype = weights_dtype(dtype)  # a bad name fails here, on every rank
-        self.actor_spec = actor if actor is not None else tiny_llama_config()
+        self._set_up(actor=actor, reference=reference, tokenizer=tokenizer, eval_data=eval_data, dtype=dtype)
         self.reward_spec = reward_model if reward_model is not None else tiny_llama_config()
-        self.critic_spec, self.reference_spec = critic, reference
-        self.tokenizer = build_tokenizer(tokenizer)
-        if self.tokenizer.eos_token_id is None:
-            raise ValueError("PPOModule(tokenizer=...) has no eos_token_id. Fix: use a tokenizer with an EOS token.")
-        self.eos_id = self.tokenizer.eos_token_id
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
-        self.actor: nn.Module | None = None
+        self.critic_spec = critic
         self.critic: ScalarHeadModel | None = None
-        self.reference: nn.Module | None = None
-        self.reward_model: ScalarHeadModel | None = None
         self.ema_actor: nn.Module | None = None
         self._ptx: Any = None  # endless iterator over ptx_data batches, made on first use
 
     # -- networks ---------------------------------------------------------------------------
 
-    def configure_model(self) -> None:
-        if self.actor is not None:
-            return
+    def _build_networks(self) -> None:
         hp = self.hparams
         dtype = self.weights_dtype
         actor = build_causal_lm(self.actor_spec, dtype=dtype)
@@ -223,52 +195,20 @@ class PPOModule(LightningModule):
             ema = copy_on_materialize(self.actor).requires_grad_(False)  # starts as the actor, on meta too
             ema.zeropp_keep_dense = True  # updated in place: never stored as frozen int8
             self.ema_actor = ema
-        for net in (self.actor, self.critic, self.reference, self.reward_model, self.ema_actor):
-            if net is not None:  # dropout off, in train mode (see the module docstring)
-                disable_dropout(net).train(self.training)
 
-    def forward(self, kind: str, input_ids: Tensor, attention_mask: Tensor, **kwargs: Any) -> Any:
-        """Every network call, by ``kind``: ``actor``/``reference`` (logits), ``values``
-        (critic), ``score`` (reward model), ``sample`` (responses), ``ptx`` (SFT loss)."""
-        assert self.actor is not None and self.critic is not None
-        assert self.reference is not None and self.reward_model is not None
-        if kind == "sample":
-            with gathered(self.actor, enabled=self.hparams.gather_for_generation):
-                return sample(self.actor, input_ids, attention_mask, **kwargs)
+    def _networks(self) -> tuple[nn.Module | None, ...]:
+        return self.actor, self.critic, self.reference, self.reward_model, self.ema_actor
+
+    def _forward_other(self, kind: str, input_ids: Tensor, attention_mask: Tensor, pos: Tensor, **kwargs: Any) -> Any:
+        """PPO's own kinds: ``values`` (critic), ``ptx`` (the actor's SFT loss)."""
+        assert self.critic is not None
         if kind == "ptx":
             return self.actor(input_ids=input_ids, attention_mask=attention_mask, labels=kwargs["labels"]).loss
-        pos = positions(attention_mask)
-        if kind in ("actor", "reference"):
-            net = self.actor if kind == "actor" else self.reference
-            return net(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos).logits
         if kind == "values":
             return self.critic(input_ids, attention_mask, pos)
-        if kind == "score":
-            return self.reward_model.score(input_ids, attention_mask, pos)
         raise ValueError(f"PPOModule.forward(kind={kind!r}) is unknown.")
 
     # -- data -------------------------------------------------------------------------------
-
-    def _prompts(self, source: str, kind: str) -> list[dict[str, str]]:
-        seen: set[str] = set()
-        out = []
-        for record in load_records(source, kind=kind):
-            if record["prompt"] not in seen:
-                seen.add(record["prompt"])
-                out.append({"prompt": record["prompt"]})
-        return out
-
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(self._prompts(self.hparams.data, "sft"), batch_size=self.hparams.rollout_batch_size,
-                          shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(self.hparams.seed),
-                          collate_fn=PromptCollator(self.tokenizer, max_length=self.hparams.max_prompt_length))
-
-    def val_dataloader(self) -> DataLoader | list:
-        if self.hparams.eval_data is None:
-            return []
-        prompts = self._prompts(self.hparams.eval_data, "eval")
-        return DataLoader(prompts, batch_size=self.hparams.rollout_batch_size, sampler=EvalShard(prompts),
-                          collate_fn=PromptCollator(self.tokenizer, max_length=self.hparams.max_prompt_length))
 
     def _ptx_batches(self) -> Any:
         records = load_records(self.hparams.ptx_data, kind="sft")
@@ -280,24 +220,11 @@ class PPOModule(LightningModule):
 
     # -- experience -------------------------------------------------------------------------
 
-    def _generator(self, step: int) -> torch.Generator:
-        """One sampling stream per (seed, step, rank): reproducible, and the same under every
-        strategy with the same number of processes."""
-        rank = self.trainer.global_rank if self._trainer is not None else 0
-        g = torch.Generator(device=self.device)
-        g.manual_seed(self.hparams.seed * 1_000_003 + step * 1009 + rank)
-        return g
-
     @torch.no_grad()
     def rollout(self, batch: dict[str, Any], generator: torch.Generator) -> dict[str, Tensor]:
         """Sample responses and score them: sequences, masks, raw and shaped rewards."""
-        hp = self.hparams
         prompt_ids, prompt_mask = batch["input_ids"], batch["attention_mask"]
-        stop = hp.gather_for_generation or not fsdp_modules(self.actor)
-        response = self("sample", prompt_ids, prompt_mask, max_new_tokens=hp.max_new_tokens, eos_id=self.eos_id,
-                        pad_id=self.pad_id, temperature=hp.temperature, top_k=hp.top_k, generator=generator,
-                        stop_when_done=stop)
-        mask = ops.response_mask(response, self.eos_id)
+        response, mask = self._sample(prompt_ids, prompt_mask, generator)
         sequences = torch.cat([prompt_ids, response], dim=1)
         attention = torch.cat([prompt_mask.long(), mask], dim=1)
         raw = self("score", sequences, attention)
@@ -305,14 +232,9 @@ class PPOModule(LightningModule):
         return {"prompt_ids": prompt_ids, "response": response, "mask": mask, "sequences": sequences,
                 "attention": attention, "raw_score": raw, "has_eos": has_eos}
 
-    def _response_logits(self, kind: str, exp: dict[str, Tensor]) -> Tensor:
-        prompt_len = exp["prompt_ids"].shape[1]
-        logits = self(kind, exp["sequences"], exp["attention"])
-        return logits[:, prompt_len - 1 : -1]  # the prediction of each response token
-
-    def _response_values(self, exp: dict[str, Tensor]) -> Tensor:
-        prompt_len = exp["prompt_ids"].shape[1]
-        return self("values", exp["sequences"], exp["attention"])[:, prompt_len - 1 : -1]
+    @staticmethod
+    def _sequences(exp: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        return exp["sequences"], exp["attention"]  # kept by the rollout
 
     @torch.no_grad()
     def make_experience(self, batch: dict[str, Any], generator: torch.Generator) -> dict[str, Tensor]:
@@ -320,16 +242,13 @@ class PPOModule(LightningModule):
         per-token rewards, advantages and returns."""
         hp = self.hparams
         exp = self.rollout(batch, generator)
-        mask, response = exp["mask"], exp["response"]
-        exp["old_logp"] = ops.token_logprobs(self._response_logits("actor", exp), response,
-                                             temperature=hp.temperature, top_k=hp.top_k)
-        exp["ref_logp"] = ops.token_logprobs(self._response_logits("reference", exp), response,
-                                             temperature=hp.temperature, top_k=hp.top_k)
-        exp["old_values"] = self._response_values(exp) * mask
+        mask = exp["mask"]
+        exp["old_logp"] = self._logp("actor", exp)[0]
+        exp["ref_logp"] = self._logp("reference", exp)[0]
+        exp["old_values"] = self._per_response_token("values", exp) * mask
         score = exp["raw_score"]
         if hp.normalize_reward:
-            stats = self.reward_model.reward_stats
-            score = (score - stats["mean"]) / max(stats["std"], 1e-6)
+            score = self._normalized(score)
         if hp.missing_eos_penalty is not None:
             score = torch.where(exp["has_eos"], score, score - hp.missing_eos_penalty)
         exp["score"] = score
@@ -347,57 +266,31 @@ class PPOModule(LightningModule):
         """The loss of one mini-batch (``exp`` sliced to it) and its statistics."""
         hp = self.hparams
         mask = exp["mask"]
-        logits = self._response_logits("actor", exp)
-        logp = ops.token_logprobs(logits, exp["response"], temperature=hp.temperature, top_k=hp.top_k)
+        logp, logits = self._logp("actor", exp)
         pg_loss, pg_stats = ops.policy_loss(logp, exp["old_logp"], exp["advantages"], mask, clip_eps=hp.clip_eps)
-        values = self._response_values(exp)
+        values = self._per_response_token("values", exp)
         vf_loss, vf_stats = ops.value_loss(values, exp["old_values"], exp["returns"], mask, clip=hp.value_clip)
-        with torch.no_grad():
-            entropy = ops.masked_mean(ops.entropy_from_logits(logits, temperature=hp.temperature, top_k=hp.top_k),
-                                      mask)
         loss = pg_loss + hp.vf_coef * vf_loss
-        stats = {"policy_loss": pg_loss.detach(), "value_loss": vf_loss.detach(), "entropy": entropy,
-                 **pg_stats, **vf_stats}
+        stats = {"policy_loss": pg_loss.detach(), "value_loss": vf_loss.detach(),
+                 "entropy": self._entropy(logits, mask), **pg_stats, **vf_stats}
+        return loss, stats
+
+    def _update_loss(self, exp: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+        """``ppo_losses``, plus ``ptx_coef`` times the SFT loss of a ``ptx_data`` batch."""
+        loss, stats = self.ppo_losses(exp)
+        if self.hparams.ptx_coef > 0:
+            ptx_batch = {k: v.to(self.device) for k, v in next(self._ptx_iter()).items()}
+            ptx_loss = self("ptx", ptx_batch["input_ids"], ptx_batch["attention_mask"], labels=ptx_batch["labels"])
+            loss = loss + self.hparams.ptx_coef * ptx_loss
+            stats["ptx_loss"] = ptx_loss.detach()
         return loss, stats
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         hp = self.hparams
         exp = self.make_experience(batch, self._generator(self.global_step))
-        opt_actor, opt_critic = self.optimizers()
-        n = exp["mask"].shape[0]
-        order = torch.Generator().manual_seed(hp.seed + 7919 * self.global_step)
-        totals: dict[str, Tensor] = {}
-        updates = 0
-        ptx = self._ptx_iter() if hp.ptx_coef > 0 else None
-        keys = ("prompt_ids", "response", "mask", "sequences", "attention", "old_logp", "old_values",
-                "advantages", "returns")
-        for _ in range(hp.ppo_epochs):
-            perm = torch.randperm(n, generator=order)
-            for start in range(0, n, hp.mini_batch_size):
-                idx = perm[start : start + hp.mini_batch_size].to(self.device)
-                mini = {k: exp[k][idx] for k in keys}
-                loss, stats = self.ppo_losses(mini)
-                if ptx is not None:
-                    ptx_batch = {k: v.to(self.device) for k, v in next(ptx).items()}
-                    ptx_loss = self("ptx", ptx_batch["input_ids"], ptx_batch["attention_mask"],
-                                    labels=ptx_batch["labels"])
-                    loss = loss + hp.ptx_coef * ptx_loss
-                    stats["ptx_loss"] = ptx_loss.detach()
-                opt_actor.zero_grad()
-                opt_critic.zero_grad()
-                self.manual_backward(loss)
-                if hp.max_grad_norm is not None:
-                    self.clip_gradients(opt_actor, gradient_clip_val=hp.max_grad_norm, gradient_clip_algorithm="norm")
-                    self.clip_gradients(opt_critic, gradient_clip_val=hp.max_grad_norm,
-                                        gradient_clip_algorithm="norm")
-                opt_actor.step()
-                opt_critic.step()
-                for k, v in stats.items():
-                    totals[k] = totals.get(k, 0.0) + v
-                updates += 1
+        logs = self._update(exp, _UPDATE_KEYS, hp.ppo_epochs, self._update_loss)
         self._update_ema()
         mask = exp["mask"].float()
-        logs = {k: v / updates for k, v in totals.items()}
         logs.update({
             "reward": exp["raw_score"].mean(),
             "score": exp["score"].mean(),
@@ -407,10 +300,8 @@ class PPOModule(LightningModule):
         })
         checker = self.task_checker(hp.data)
         if checker is not None:
-            logs["task_accuracy"] = self._accuracy(checker, batch["prompts"], exp)
-        rollouts = n  # prompts of this rollout (this rank's)
-        self.log_dict({f"train_{k}": v for k, v in logs.items()}, sync_dist=True, prog_bar=False, batch_size=rollouts)
-        self.log("train_reward_mean", logs["reward"], sync_dist=True, prog_bar=True, batch_size=rollouts)
+            logs["task_accuracy"] = self._accuracy(checker, batch["prompts"], self._responses(exp))
+        self._log_train(logs, len(mask))  # per prompt of this rollout (this rank's)
 
     def _ptx_iter(self) -> Any:
         if self._ptx is None:
@@ -429,51 +320,29 @@ class PPOModule(LightningModule):
 
     # -- evaluation -------------------------------------------------------------------------
 
-    @staticmethod
-    def task_checker(source: str | None) -> Any:
-        """The task's own correctness check for prompts from ``source``: the embedded
-        task's ``score`` for ``embedded:addition``, ``None`` (no task accuracy) otherwise."""
-        if source == "embedded:addition":
-            from zeropp_strategy.rlhf.task import AdditionTask
+    def _responses(self, exp: dict[str, Tensor]) -> list[str]:
+        return decode_responses(self.tokenizer, exp["response"], self.eos_id)
 
-            return AdditionTask.score
-        return None
-
-    def _accuracy(self, checker: Any, prompts: list[str], exp: dict[str, Tensor]) -> Tensor:
-        texts = decode_responses(self.tokenizer, exp["response"], self.eos_id)
-        return torch.tensor([checker(p, t) for p, t in zip(prompts, texts)], device=self.device).mean()
-
-    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        # The same draws before and after training: the generator depends on the batch only.
-        exp = self.rollout(batch, self._generator(10**6 + batch_idx))
+    def _validation_metrics(self, batch: dict[str, Any], generator: torch.Generator) -> dict[str, tuple[Tensor, bool]]:
+        exp = self.rollout(batch, generator)
         mask = exp["mask"].float()
-        prompts = len(mask)
-        self.log("val_reward", exp["raw_score"].mean(), sync_dist=True, prog_bar=True, batch_size=prompts)
-        self.log("val_response_length", mask.sum(-1).mean(), sync_dist=True, batch_size=prompts)
-        self.log("val_eos_fraction", exp["has_eos"].float().mean(), sync_dist=True, batch_size=prompts)
+        out = {"reward": (exp["raw_score"].mean(), True), "response_length": (mask.sum(-1).mean(), False),
+               "eos_fraction": (exp["has_eos"].float().mean(), False)}
         checker = self.task_checker(self.hparams.eval_data)
         if checker is not None:
-            self.log("val_task_accuracy", self._accuracy(checker, batch["prompts"], exp), sync_dist=True,
-                     prog_bar=True, batch_size=prompts)
+            out["task_accuracy"] = (self._accuracy(checker, batch["prompts"], self._responses(exp)), True)
+        return out
 
     # -- optimizers and export --------------------------------------------------------------
 
     def configure_optimizers(self) -> Any:
-        hp = self.hparams
-        actor = [p for p in self.actor.parameters() if p.requires_grad]
-        critic = [p for p in self.critic.parameters() if p.requires_grad]
-        return (torch.optim.AdamW(actor, lr=hp.actor_lr, weight_decay=hp.weight_decay),
-                torch.optim.AdamW(critic, lr=hp.critic_lr, weight_decay=hp.weight_decay))
-
-    def on_fit_end(self) -> None:
-        if self.hparams.export_dir:
-            self.export_hf(self.hparams.export_dir)
+        return self._adamw(self.actor, self.hparams.actor_lr), self._adamw(self.critic, self.hparams.critic_lr)
 
     def export_hf(self, directory: str) -> None:
         """Collective: the actor (LoRA merged) as a Hugging Face folder; with EMA, the EMA
         actor too, to ``<directory>-ema``."""
         from zeropp_strategy.rlhf.export import export_causal_lm
 
-        export_causal_lm(self.actor, directory, tokenizer=self.tokenizer)
+        super().export_hf(directory)
         if self.ema_actor is not None:
             export_causal_lm(self.ema_actor, f"{directory}-ema", tokenizer=self.tokenizer)

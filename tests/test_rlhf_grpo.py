@@ -60,6 +60,23 @@ def test_grpo_trains_the_actor_only_and_builds_no_reference_at_beta_0(tmp_path):
     assert module.hparams.reward_funcs == ["tests.test_rlhf_grpo.odd_length"]
 
 
+def test_top_k_sampling_with_a_kl_penalty_trains_with_finite_losses(tmp_path):
+    """top_k shapes the sampling only (as PPO's: tests/test_rlhf_ppo.py): with log-probs of the
+    truncated distribution, the reference's -inf for a token outside its own top k made the
+    weights NaN within two steps and sampling then failed."""
+    from lightning.pytorch import seed_everything
+
+    from zeropp_strategy.recipes.grpo import GRPOModule
+
+    seed_everything(0)
+    module = GRPOModule(**ARGS, top_k=5, beta=0.1, reward_funcs=[odd_length])
+    trainer = _trainer(tmp_path, 3)
+    trainer.fit(module)
+    for key in ("train_loss", "train_kl", "train_entropy"):
+        assert torch.isfinite(trainer.callback_metrics[key]), key
+    assert all(torch.isfinite(p).all() for p in module.actor.parameters())
+
+
 def test_grpo_with_beta_keeps_the_reference_and_the_reward_model_frozen(tmp_path):
     from lightning.pytorch import seed_everything
 

@@ -119,6 +119,8 @@ def test_ppo_bad_hyperparameters_name_the_field():
         PPOModule(actor=SMALL, reward_model=SMALL, rollout_batch_size=8, mini_batch_size=64)
     with pytest.raises(ValueError, match=r"ptx_data=None"):
         PPOModule(actor=SMALL, reward_model=SMALL, ptx_coef=0.5)
+    with pytest.raises(ValueError, match=r"PPOModule\(max_grad_norm=0\) is invalid.*Fix: use None or a value > 0"):
+        PPOModule(actor=SMALL, reward_model=SMALL, max_grad_norm=0)
 
 
 def test_export_loads_with_from_pretrained_and_generates(tmp_path):
@@ -348,3 +350,22 @@ def test_decode_responses_stops_at_the_first_eos():
     # pad id 0 after the EOS, and a second EOS followed by text that must not be read
     response = torch.tensor([one + [eos, 0, 0], two + [eos] + x + [eos, 0]])
     assert decode_responses(tok, response, eos) == ["12", "7"]
+
+
+def test_top_k_sampling_trains_with_finite_losses(tmp_path):
+    """top_k shapes the sampling only: the ratio and the KL penalty use log-probs over the whole
+    vocabulary, so a sampled token that the reference (or the updated actor) ranks outside its
+    own top k is finite. With the truncated distribution this run's policy loss was NaN at the
+    second rollout and the weights NaN after it."""
+    from lightning.pytorch import seed_everything
+
+    from zeropp_strategy.recipes.ppo import PPOModule
+
+    seed_everything(0)
+    module = PPOModule(**PPO_ARGS, top_k=5)
+    trainer = _trainer(tmp_path, 3)
+    trainer.fit(module)
+    m = trainer.callback_metrics
+    for key in ("train_policy_loss", "train_value_loss", "train_entropy", "train_kl", "train_reward"):
+        assert torch.isfinite(m[key]), key
+    assert all(torch.isfinite(p).all() for p in module.actor.parameters())
