@@ -88,6 +88,16 @@ VARIANTS = {
                           "weight_delta_coding": True},
     # the weight path alone (no qgZ): how much of a delta level's loss is its weights'
     "qwZ_delta": {k: v for k, v in PRESETS["zeropp_delta"].items() if k not in ("stage", "quantized_gradients")},
+    # 2-bit gradient codes across nodes (int8 inside), their rounding fed back: classic feedback
+    # (beta 0) and LoCo's average (beta 0.8); with weight deltas, and qgZ alone
+    "zeropp_delta_g2": {**{k: v for k, v in PRESETS["zeropp_delta"].items() if k != "stage"},
+                        "gradient_quant_bits": 2, "gradient_quant_bits_intra": 8, "gradient_error_feedback": True,
+                        "gradient_error_beta": 0.0},
+    "zeropp_delta_g2_loco": {**{k: v for k, v in PRESETS["zeropp_delta"].items() if k != "stage"},
+                             "gradient_quant_bits": 2, "gradient_quant_bits_intra": 8,
+                             "gradient_error_feedback": True},
+    "qgZ_g2": {"quantized_gradients": True, "gradient_quant_bits": 2, "gradient_quant_bits_intra": 8,
+               "gradient_error_feedback": True, "gradient_error_beta": 0.0},
 }
 DEFAULT_VARIANTS = ["stage3", "qwZ", "hpZ", "qgZ", "zeropp"]
 
@@ -195,6 +205,9 @@ def main() -> None:
             if rank0:
                 print(f"{name} seed {seed}: final loss {final_loss(rec.losses):.4f}", flush=True)
         results[name] = {"runs": runs}
+        if args.out and rank0:  # after every variant: a run stopped later keeps what it finished
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(results))
     if not rank0:
         return
     print(f"\n{args.steps} steps, {world} ranks as 2 simulated nodes, seeds {args.seeds}; "

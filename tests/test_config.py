@@ -625,6 +625,26 @@ def test_weight_quant_bits_is_4_or_8(value, exc):
         ZeroConfig(weight_quant_bits=value)
 
 
+def test_2bit_gradient_codes_need_feedback_and_more_bits_inside_the_node():
+    """gradient_quant_bits=2: only with error feedback (what the codes drop goes with the next
+    step), and only across nodes (the intra-node hop has no feedback, so it names its bits)."""
+    from zeropp_strategy.plan import resolve
+    from zeropp_strategy.topology import Topology
+
+    ok = ZeroConfig(stage=3, quantized_gradients=True, gradient_error_feedback=True, gradient_quant_bits=2,
+                    gradient_quant_bits_intra=8)
+    plan = resolve(ok, Topology(world_size=4, rank=0, ranks_per_node=2))
+    assert (plan.gradient_bits, plan.gradient_bits_inside) == (2, 8)
+    with pytest.raises(ValueError, match=r"ZeroConfig.gradient_quant_bits=2 is invalid.*2 only with "
+                                         r"gradient_error_feedback=True"):
+        ZeroConfig(stage=3, quantized_gradients=True, gradient_quant_bits=2, gradient_quant_bits_intra=8)
+    with pytest.raises(ValueError, match=r"ZeroConfig.gradient_quant_bits_intra=None is invalid.*Fix: set "
+                                         r"gradient_quant_bits_intra=8"):
+        ZeroConfig(stage=3, quantized_gradients=True, gradient_error_feedback=True, gradient_quant_bits=2)
+    with pytest.raises(ValueError, match=r"ZeroConfig.gradient_quant_bits_intra=2 is invalid"):
+        ok.replace(gradient_quant_bits_intra=2)
+
+
 def test_frozen_weight_bits_from_yaml_and_deepspeed(tmp_path):
     path = tmp_path / "z.yaml"
     path.write_text("zero:\n  quantize_frozen_weights: true\n  frozen_weight_bits: 4\n")

@@ -771,6 +771,15 @@ def test_error_feedback_example_runs() -> None:
     assert ns["strategy"].config.gradient_error_feedback and ns["strategy"].config.gradient_quant_bits_intra == 8
 
 
+@covers(("docs/zeropp.md", "# 2-bit gradient codes across nodes, on top of zeropp_delta"))
+def test_2bit_gradient_example_runs() -> None:
+    """zeropp.md's 2-bit gradient example builds the config it shows (its own assert)."""
+    ns = exec_python(fence("docs/zeropp.md", "# 2-bit gradient codes across nodes, on top of zeropp_delta").body,
+                     "zeropp.md")
+    config = ns["strategy"].config
+    assert (config.gradient_quant_bits, config.gradient_quant_bits_intra, config.gradient_error_beta) == (2, 8, 0.0)
+
+
 @covers(("docs/zeropp.md", "# the trained-weights table"))
 def test_trained_weights_table_script_runs(capsys: pytest.CaptureFixture[str]) -> None:
     """The script behind zeropp.md's block-size table (the MiniLM weights ship with the

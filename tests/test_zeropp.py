@@ -148,9 +148,9 @@ def _per_hop_and_feedback(rank, world, topo, meshes, ledger, world_group, B):
     exact = torch.empty(s)
     dist.reduce_scatter_tensor(exact, inp.clone(), op=dist.ReduceOp.SUM, group=world_group)
 
-    def reduce(intra_bits, feedback=None, times=1):
+    def reduce(intra_bits, feedback=None, times=1, bits=4):
         rs = HierarchicalQuantReduceScatter(
-            ledger, topo, intra_group=meshes.intra_group, inter_group=meshes.inter_group, bits=4, block_elems=B,
+            ledger, topo, intra_group=meshes.intra_group, inter_group=meshes.inter_group, bits=bits, block_elems=B,
             min_elems=0, intra_bits=intra_bits, feedback=feedback)
         got = []
         for _ in range(times):
@@ -164,8 +164,14 @@ def _per_hop_and_feedback(rank, world, topo, meshes, ledger, world_group, B):
     t = ledger.totals(CommKind.GRAD_REDUCE)
     plain4 = reduce(4, times=steps)
     fed = reduce(8, ErrorFeedback(beta=0.0, reset_steps=0), times=steps)
+    ledger.reset()
+    fed2 = reduce(8, ErrorFeedback(beta=0.0, reset_steps=0), times=steps, bits=2)
+    t2 = ledger.totals(CommKind.GRAD_REDUCE)
     return {
         "bytes": (t.intra_bytes, t.inter_bytes) == (2 * quantized_nbytes(s, B, 8), quantized_nbytes(s, B, 4)),
+        "bytes_2bit": (t2.intra_bytes, t2.inter_bytes) == (2 * steps * quantized_nbytes(s, B, 8),
+                                                           steps * quantized_nbytes(s, B, 2)),
+        "rel_2bit": rel(fed2[0]), "rel_fed2_mean": rel(torch.stack(fed2).mean(0)),
         "rel_int4": rel(plain4[0]), "rel_mixed": rel(mixed),
         "rel_int4_mean": rel(torch.stack(plain4).mean(0)), "rel_fed_mean": rel(torch.stack(fed).mean(0)),
         "fed_first_equals_mixed": torch.equal(fed[0], mixed),
@@ -220,8 +226,19 @@ def test_qgz_error_feedback_cancels_the_rounding_over_steps(collectives):
         assert h["rel_fed_mean"] * 3 < h["rel_int4_mean"], (rank, h)
 
 
-@pytest.mark.parametrize("beta,reset", [(0.0, 0), (0.8, 3)])
-def test_error_feedback_against_reference(beta, reset):
+def test_qgz_2bit_codes_across_nodes_with_error_feedback(collectives):
+    """gradient_quant_bits=2 (feedback required): the cross-node hop books a quarter of int8's
+    codes; one reduction is coarse (a ternary code per element), but the mean of 8 comes
+    within int4's single-step error, since what each step drops is sent with the next."""
+    for rank, out in enumerate(collectives):
+        h = out["hops"]
+        assert h["bytes_2bit"], (rank, h)
+        assert h["rel_2bit"] > h["rel_int4"], (rank, h)
+        assert h["rel_fed2_mean"] * 2 < h["rel_2bit"] and h["rel_fed2_mean"] < h["rel_int4"], (rank, h)
+
+
+@pytest.mark.parametrize("beta,reset,bits", [(0.0, 0, 4), (0.8, 3, 4), (0.0, 0, 2), (0.8, 3, 2)])
+def test_error_feedback_against_reference(beta, reset, bits):
     """ErrorFeedback.quantize equals the rule of [Note: qgZ error feedback], written out
     with the plain kernels, step by step (resets included); with beta = 0 and no reset,
     what was sent sums to the partials' sum minus the last error."""
@@ -236,12 +253,12 @@ def test_error_feedback_against_reference(beta, reset):
         if reset and t and t % reset == 0:
             error.zero_()
         c = p + error
-        codes, scales = quantize(c, B, 4)
-        error = beta * error + (1 - beta) * (c - dequantize(codes, scales, B, n, 4))
-        got_codes, got_scales = ef.quantize(p.clone(), B, 4)
+        codes, scales = quantize(c, B, bits)
+        error = beta * error + (1 - beta) * (c - dequantize(codes, scales, B, n, bits))
+        got_codes, got_scales = ef.quantize(p.clone(), B, bits)
         assert torch.equal(got_codes, codes) and torch.equal(got_scales, scales), t
         torch.testing.assert_close(ef.error, error, rtol=0, atol=1e-6)
-        sent_sum = sent_sum + dequantize(codes, scales, B, n, 4)
+        sent_sum = sent_sum + dequantize(codes, scales, B, n, bits)
         part_sum = part_sum + p
     if beta == 0.0 and not reset:
         torch.testing.assert_close(sent_sum, part_sum - ef.error, rtol=0, atol=1e-5)

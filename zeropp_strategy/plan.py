@@ -253,7 +253,9 @@ class Plan:
         elif self.quantized_weights:
             parts.append(f"qwZ int{self.weight_bits} gathers across nodes (the codes on both hops)")
         if self.quantized_gradients:
-            parts.append("qgZ quantized gradient reduce")
+            feedback = " with error feedback" if self.error_feedback else ""
+            parts.append(f"qgZ gradient reduce (int{self.gradient_bits_inside} inside the node, "
+                         f"{self.gradient_bits}-bit across{feedback})")
         parts.append(f"{'16-bit' if self.gather_16bit else 'full-precision'} gathers under mixed precision")
         parts.append(f"reduce dtype {self.reduce_dtype or 'of the precision'}")
         parts.append(f"{self.state_dict_type} checkpoints")
@@ -330,8 +332,10 @@ def explain(plan: Plan | None) -> list[str]:
         if plan.quantized_gradients and M > 1:
             kept = (" Each rank keeps the cross-node hop's quantization error and adds it to its next reduction "
                     "(error feedback)." if plan.error_feedback else "")
+            across = ("2-bit codes (-1/0/+1 times the block's largest value)" if plan.gradient_bits == 2
+                      else f"int{plan.gradient_bits}")
             lines.append(f"Backward: gradients are reduce-scattered per block in two hops (qgZ): int"
-                         f"{plan.gradient_bits_inside} codes inside the node and int{plan.gradient_bits} across "
+                         f"{plan.gradient_bits_inside} codes inside the node and {across} across "
                          f"nodes, summed in fp32.{kept} {small}")
         elif plan.quantized_gradients:
             lines.append(f"Backward: gradients are reduce-scattered per block as int{plan.gradient_bits_inside} codes "

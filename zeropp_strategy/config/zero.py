@@ -146,8 +146,10 @@ class ZeroConfig:
     quantized_gradients: bool = False
     """qgZ: hierarchical quantized gradient reduce-scatter (intra-node, then inter-node). Stage 2 or 3."""
     gradient_quant_bits: int = 4
-    """Bits per quantized gradient element in qgZ: 4 or 8. The cross-node hop always uses
-    it; the intra-node hop too unless ``gradient_quant_bits_intra`` says otherwise."""
+    """Bits per quantized gradient element in qgZ: 4 or 8, or, with ``gradient_error_feedback``
+    only, 2 (four codes per byte, -1/0/+1 times the block's largest value; the intra-node hop
+    then needs ``gradient_quant_bits_intra``). The cross-node hop always uses it; the
+    intra-node hop too unless ``gradient_quant_bits_intra`` says otherwise."""
     gradient_quant_bits_intra: int | None = None
     """Bits of qgZ's first hop, inside the node (4 or 8); None = ``gradient_quant_bits``. 8 here
     with 4 across halves the first quantization's error for intra-node bytes only (SDP4Bit's
@@ -271,7 +273,9 @@ class ZeroConfig:
         for name, fix in _BITS_FIELDS.items():
             if name == "gradient_quant_bits_intra" and self.gradient_quant_bits_intra is None:
                 continue
-            allowed = (2, 4, 8) if name == "weight_quant_bits" and self.weight_delta_coding else (4, 8)
+            two_bit = ((name == "weight_quant_bits" and self.weight_delta_coding)
+                       or (name == "gradient_quant_bits" and self.gradient_error_feedback))
+            allowed = (2, 4, 8) if two_bit else (4, 8)
             if _int(f"{w}.{name}", getattr(self, name), fix) not in allowed:
                 _invalid(f"{w}.{name}", getattr(self, name), f"must be {' or '.join(map(str, allowed))}", fix)
             put(name, int(getattr(self, name)))
@@ -317,6 +321,10 @@ class ZeroConfig:
             if value not in (False, None) and not self.quantized_gradients:
                 _invalid(f"{w}.{name}", value, "it changes qgZ's quantized reduce-scatter, which is off",
                          f"set quantized_gradients=True as well, or leave {name} at its default")
+        if self.quantized_gradients and self.gradient_quant_bits == 2 and self.gradient_quant_bits_intra is None:
+            _invalid(f"{w}.gradient_quant_bits_intra", None, "2-bit gradient codes are for the cross-node hop only, "
+                     "where error feedback keeps what they drop; the intra-node hop has no feedback",
+                     "set gradient_quant_bits_intra=8 (or 4)")
         if self.overlap_param_gather and stage != 1:
             _invalid(f"{w}.overlap_param_gather", True, f"it overlaps stage 1's post-step gather; stage {stage} "
                      "gathers parameters per block in forward, already prefetched under compute",
@@ -476,7 +484,8 @@ _BOOL_FIELDS = ("overlap_param_gather", "quantized_weights", "quantized_gradient
 _BITS_FIELDS = {  # field (4 or 8) -> fix
     "weight_quant_bits": "use 8 (int8, ZeRO++'s qwZ) or 4 (int4: about half the bytes of a cross-node gather); 2 "
                          "only with weight_delta_coding=True (codes of the changes, not of the weights)",
-    "gradient_quant_bits": "use 4 (least traffic) or 8 (more precise)",
+    "gradient_quant_bits": "use 4 (ZeRO++'s qgZ) or 8 (more precise); 2 only with gradient_error_feedback=True "
+                           "(what the codes drop is then sent with the next step's gradients)",
     "gradient_quant_bits_intra": "use 8 (inside the node, where bytes are cheap), 4, or None (= gradient_quant_bits)",
     "frozen_weight_bits": "use 8 (int8, the default) or 4 (int4: half the bytes, a coarser step)",
 }
