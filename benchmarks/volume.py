@@ -14,7 +14,9 @@
 ZeRO-3 (when ``deepspeed`` imports) at 1 Gbit/s for GPT-2 ``small`` (4 x 256, 3.3M
 parameters) and ``medium`` (8 x 512, 25.5M). Both parts run their cells in rounds (every
 cell once, ``--repeat`` times) so that a busy spell of a shared machine falls on every
-cell alike, and record the load average at the start of each run.
+cell alike, and record the load average at the start of each run. A part's system written
+``name~RATE`` runs at RATE instead of the part's rate, in the same rounds (``--part
+delta_200mbit``: DDP with no link limit beside three systems at 200 Mbit/s).
 
 Every cell is one ``benchmarks/bench_train.py`` job on the simulated 2-node x 2-rank cluster
 (``benchmarks/simcluster.py``: two network namespaces, a veth shaped with ``tc tbf``),
@@ -113,7 +115,9 @@ def run_part(args: argparse.Namespace) -> dict:
 
     rate, sizes, systems = PARTS[args.part]
     has_ds = importlib.util.find_spec("deepspeed") is not None
-    cells = {f"{rate}/{size}/{system}": (size, system) for size in sizes for system in systems}
+    # "system~RATE" runs that system at RATE instead of the part's (its cells in a cluster of their own)
+    cells = {f"{system.partition('~')[2] or rate}/{size}/{system.partition('~')[0]}": (size, system.partition("~")[0])
+             for size in sizes for system in systems}
     runs: dict[str, list[dict]] = {key: [] for key in cells}
     out = args.out.parent / PART_FILES[args.part]
     if args.append and out.exists():  # more rounds on top of an earlier invocation's
@@ -124,26 +128,36 @@ def run_part(args: argparse.Namespace) -> dict:
     meta = {**_meta(args), "rate": rate}
     out.parent.mkdir(parents=True, exist_ok=True)
     results: dict = {}
-    with SimCluster(rate=rate) as cluster:
-        for round_ in range(args.repeat):
-            for key, (size, system) in cells.items():
-                if key in skipped:
-                    continue
-                name, _, variant = system.partition("@")
-                name, _, buckets = name.partition("#")
-                cell_args = argparse.Namespace(**{**vars(args), "size": size,
-                                                  "overlap_buckets": int(buckets) if buckets else None})
-                if variant == "before":
-                    cell_args.package_root = args.before_root
-                load = os.getloadavg()[0]
-                cell = run_cell(cluster, name, cell_args)
-                cell["load_avg_1min_at_start"] = load
-                runs[key].append(_run_record(cell))
-                print(f"round {round_ + 1}/{args.repeat} {key}: " + (f"{cell['step_s']:.3f} s/step (load {load:.1f})"
-                      if "step_s" in cell else f"FAILED {cell.get('error')}"), flush=True)
-                # after every run, so that a run cut short keeps what it measured
-                results = {"meta": meta, "cells": _summarize(runs, skipped), "runs": runs}
-                out.write_text(json.dumps(results, indent=1))
+    rates = list(dict.fromkeys(key.split("/")[0] for key in cells))
+    for round_ in range(args.repeat):
+        for cell_rate in rates:
+            with SimCluster(rate=cell_rate) as cluster:
+                results = _run_round(args, cluster, cells, cell_rate, round_, runs, skipped, meta, out)
+    return results
+
+
+def _run_round(args: argparse.Namespace, cluster: object, cells: dict, cell_rate: str, round_: int,
+               runs: dict[str, list[dict]], skipped: dict[str, str], meta: dict, out: Path) -> dict:
+    """One round of a part's cells at ``cell_rate``, on ``cluster``; the results file is
+    rewritten after every run, so that a run cut short keeps what it measured."""
+    results = {"meta": meta, "cells": _summarize(runs, skipped), "runs": runs}
+    for key, (size, system) in cells.items():
+        if key in skipped or not key.startswith(f"{cell_rate}/"):
+            continue
+        name, _, variant = system.partition("@")
+        name, _, buckets = name.partition("#")
+        cell_args = argparse.Namespace(**{**vars(args), "size": size,
+                                          "overlap_buckets": int(buckets) if buckets else None})
+        if variant == "before":
+            cell_args.package_root = args.before_root
+        load = os.getloadavg()[0]
+        cell = run_cell(cluster, name, cell_args)
+        cell["load_avg_1min_at_start"] = load
+        runs[key].append(_run_record(cell))
+        print(f"round {round_ + 1}/{args.repeat} {key}: " + (f"{cell['step_s']:.3f} s/step (load {load:.1f})"
+              if "step_s" in cell else f"FAILED {cell.get('error')}"), flush=True)
+        results = {"meta": meta, "cells": _summarize(runs, skipped), "runs": runs}
+        out.write_text(json.dumps(results, indent=1))
     return results
 
 

@@ -23,10 +23,14 @@ PARTS = {
     # ... and weight deltas (the zeropp_delta preset), with DDP at unlimited bandwidth beside them
     "delta_50mbit": ("50mbit", ["small"], ["zeropp", "zeropp_delta"]),
     "delta_unlimited": ("unlimited", ["small"], ["ddp", "zeropp", "zeropp_delta"]),
+    # the must-show at 200 Mbit/s: the new level beside zeropp, DeepSpeed ZeRO-3 and DDP at
+    # unlimited bandwidth ("~RATE": that cell at its own rate, in the same rounds)
+    "delta_200mbit": ("200mbit", ["small"], ["zeropp", "zeropp_delta", "deepspeed_zero3", "ddp~unlimited"]),
 }
 PART_FILES = {"stage1": "volume_stage1_async.json", "sizes": "volume_sizes_1gbit.json",
               "4bit_50mbit": "volume_4bit_50mbit.json", "4bit_unlimited": "volume_4bit_unlimited.json",
-              "delta_50mbit": "volume_delta_50mbit.json", "delta_unlimited": "volume_delta_unlimited.json"}
+              "delta_50mbit": "volume_delta_50mbit.json", "delta_unlimited": "volume_delta_unlimited.json",
+              "delta_200mbit": "volume_delta_200mbit.json"}
 SUITE_FILES = {"fp32": "volume_bf16_fp32mm.json", "native": "volume_bf16.json"}  # by --bf16-matmul
 ARCHIVED_SUITES = ["volume_bf16_fp32mm_2026-11-25.json"]
 """Earlier runs of the suite kept on the page below the newest, newest first; each JSON's
