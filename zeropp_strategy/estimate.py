@@ -137,9 +137,9 @@ def trace_activations(spec: str, workload: Workload, *, params_16bit: bool = Fal
 
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.multiprocessing.reductions import StorageWeakRef
     from transformers import AutoModelForCausalLM
 
+    from zeropp_strategy.engine.memory_plan import saved_storage_bytes
     from zeropp_strategy.engine.wrap import select_blocks
 
     if ":" in spec and not Path(spec).exists():
@@ -160,15 +160,11 @@ def trace_activations(spec: str, workload: Workload, *, params_16bit: bool = Fal
         counts = {"root": 0, "inputs": 0}
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            base = t._base if t._base is not None else t
-            key = StorageWeakRef(t.untyped_storage())
-            if isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad) or key in seen:
-                return t
-            seen.add(key)
+            nbytes = saved_storage_bytes(t, seen)  # ActivationMeter's rule, on fake tensors
             if current:
-                per_block[current[-1]] += t.untyped_storage().nbytes()
+                per_block[current[-1]] += nbytes
             else:
-                counts["root"] += t.untyped_storage().nbytes()
+                counts["root"] += nbytes
             return t
 
         def enter(index: int) -> Any:

@@ -353,6 +353,27 @@ def plan_memory(root: nn.Module, blocks: list[nn.Module], plan: Plan, *, ranks_p
                       grads_on_nvme=grads_on_nvme)
 
 
+def saved_storage_bytes(t: torch.Tensor, seen: set[Any], *, device_type: str | None = None) -> int:
+    """What a tensor autograd saves for backward adds to the activations: its storage's bytes
+    the first time that storage is seen (``seen`` collects them), and 0 for parameters,
+    leaves requiring grad and views of either (the plan counts those elsewhere), for a storage
+    seen already, and with ``device_type`` for a tensor elsewhere. The one rule of both the
+    measured activations (``ActivationMeter``) and the traced ones (``estimate.trace_activations``,
+    on fake tensors)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    base = t._base if t._base is not None else t
+    if device_type is not None and t.device.type != device_type:
+        return 0
+    if isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad):
+        return 0
+    key = StorageWeakRef(t.untyped_storage())
+    if key in seen:
+        return 0
+    seen.add(key)
+    return t.untyped_storage().nbytes()
+
+
 class ActivationMeter:
     """Measures the activations of ``root``'s first forward with gradients enabled.
 
@@ -369,19 +390,13 @@ class ActivationMeter:
     def __init__(self, root: nn.Module, on_measured: Callable[[int], None]) -> None:
         self._on_measured = on_measured
         self._hooks: Any = None
-        self._seen: set[tuple[int, int]] = set()
+        self._seen: set[Any] = set()  # the storages counted (saved_storage_bytes)
         self.nbytes = 0
         self._pre = root.register_forward_pre_hook(self._start)
         self._post = root.register_forward_hook(self._stop, always_call=True)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        base = t._base if t._base is not None else t
-        if t.device.type == "cpu" and not (isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad)):
-            storage = t.untyped_storage()
-            key = (storage.data_ptr(), storage.nbytes())
-            if key not in self._seen:
-                self._seen.add(key)
-                self.nbytes += storage.nbytes()
+        self.nbytes += saved_storage_bytes(t, self._seen, device_type="cpu")  # host memory is what it plans
         return t
 
     def _start(self, module: nn.Module, args: Any) -> None:
