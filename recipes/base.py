@@ -31,13 +31,14 @@ class DatasetModule(LightningModule):
 
     The arguments below are those of ``SFTModule``, ``RewardModule`` and ``DPOModule`` alike,
     documented here once. Each subclass lists them in its own ``__init__`` signature, with
-    its own defaults, and passes none of them on: its ``super().__init__()``, first thing,
-    saves every argument of that signature (``save_hyperparameters``) and reads these from
-    ``self.hparams``. The signature stays whole because LightningCLI (types, per-class
-    defaults, this help), the unknown-key checks of ``zeropp fit`` and ``zeropp pipeline``
-    (``errors.check_arguments``) and ``save_hyperparameters`` read it: behind a ``**kwargs``
-    the CLI would show the defaults of one class, the checks would accept any key and the
-    hyper-parameters would miss the arguments left at their defaults.
+    its own defaults, and hands them on in one line, ``super().__init__(**self.shared(locals()))``,
+    before its own ``save_hyperparameters()``. The signature stays whole because LightningCLI
+    (types, per-class defaults, this help), the unknown-key checks of ``zeropp fit`` and
+    ``zeropp pipeline`` (``errors.check_arguments``) and ``save_hyperparameters`` read it:
+    behind a ``**kwargs`` the CLI would show the defaults of one class, the checks would
+    accept any key and the hyper-parameters would miss the arguments left at their defaults.
+    The values are the ones the subclass passes on, so a subclass of a recipe may change an
+    argument before handing it over.
 
     Args:
         model: a ``from_pretrained`` folder or hub name, or a transformers config dict
@@ -60,21 +61,42 @@ class DatasetModule(LightningModule):
             bf16-mixed``, ``fp32`` keeps fp32 master weights of a bf16 folder.
     """
 
-    def __init__(self) -> None:
+    SHARED = ("model", "tokenizer", "data", "batch_size", "max_length", "lr", "weight_decay", "val_fraction",
+              "seed", "export_dir", "dtype")
+    """The arguments every subclass takes and this class reads (documented above)."""
+
+    @classmethod
+    def shared(cls, values: dict[str, Any]) -> dict[str, Any]:
+        """The shared arguments among ``values`` (a subclass's ``locals()`` at the top of its
+        ``__init__``)."""
+        return {name: values[name] for name in cls.SHARED}
+
+    def __init__(
+        self,
+        *,
+        model: str | dict[str, Any] | None,
+        tokenizer: str | None,
+        data: str,
+        batch_size: int,
+        max_length: int,
+        lr: float,
+        weight_decay: float,
+        val_fraction: float,
+        seed: int,
+        export_dir: str | None = None,
+        dtype: str | None = None,
+    ) -> None:
         super().__init__()
-        # every argument of the subclass's __init__: Lightning reads the frames of the __init__ chain
-        self.save_hyperparameters()
-        hp = self.hparams
-        self.export_dir = hp.export_dir
-        self.model_spec = hp.model if hp.model is not None else tiny_llama_config()
+        self.export_dir = export_dir
+        self.model_spec = model if model is not None else tiny_llama_config()
         #: the networks' weights dtype when built (``dtype`` of build_causal_lm), checked here:
         #: a bad name fails on every rank before the Trainer starts
-        self.weights_dtype = weights_dtype(hp.dtype)
-        self.tokenizer = build_tokenizer(hp.tokenizer)
-        self.data, self.batch_size, self.max_length = hp.data, hp.batch_size, hp.max_length
-        self.lr, self.weight_decay, self.val_fraction, self.seed = hp.lr, hp.weight_decay, hp.val_fraction, hp.seed
-        if not 0.0 <= self.val_fraction < 1.0:
-            raise ValueError(f"val_fraction={self.val_fraction} is invalid: it must be in [0, 1). Fix: e.g. 0.1.")
+        self.weights_dtype = weights_dtype(dtype)
+        self.tokenizer = build_tokenizer(tokenizer)
+        self.data, self.batch_size, self.max_length = data, batch_size, max_length
+        self.lr, self.weight_decay, self.val_fraction, self.seed = lr, weight_decay, val_fraction, seed
+        if not 0.0 <= val_fraction < 1.0:
+            raise ValueError(f"val_fraction={val_fraction} is invalid: it must be in [0, 1). Fix: e.g. 0.1.")
         self._train: list[dict[str, str]] | None = None
         self._val: list[dict[str, str]] | None = None
 

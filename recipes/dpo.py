@@ -69,7 +69,8 @@ class DPOModule(PairDatasetModule):
         export_dir: str | None = None,
         dtype: str | None = None,
     ) -> None:
-        super().__init__()  # DatasetModule: saves every argument above, sets the shared ones
+        super().__init__(**self.shared(locals()))  # DatasetModule sets the shared ones
+        self.save_hyperparameters()
         if beta <= 0:
             raise ValueError(f"DPOModule(beta={beta}) is invalid: it must be > 0. Fix: e.g. beta=0.1.")
         self.beta = beta

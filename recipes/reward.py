@@ -61,7 +61,8 @@ class RewardModule(PairDatasetModule):
         export_dir: str | None = None,
         dtype: str | None = None,
     ) -> None:
-        super().__init__()  # DatasetModule: saves every argument above, sets the shared ones
+        super().__init__(**self.shared(locals()))  # DatasetModule sets the shared ones
+        self.save_hyperparameters()
         self.margin, self.center_coef = margin, center_coef
         self.lora = lora
         self.model: ScalarHeadModel | None = None

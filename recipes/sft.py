@@ -60,7 +60,8 @@ class SFTModule(DatasetModule):
         export_dir: str | None = None,
         dtype: str | None = None,
     ) -> None:
-        super().__init__()  # DatasetModule: saves every argument above, sets the shared ones
+        super().__init__(**self.shared(locals()))  # DatasetModule sets the shared ones
+        self.save_hyperparameters()
         self.train_on_prompt = train_on_prompt
         self.packing = packing
         self.lora = lora

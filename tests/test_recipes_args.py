@@ -107,3 +107,27 @@ def test_a_checkpoint_rebuilds_the_module_from_its_hyper_parameters(cls, tmp_pat
     assert (loaded.lr, loaded.batch_size, loaded.seed) == (0.01, 4, 3)
     expected = module.state_dict()
     assert all(torch.equal(t, expected[k]) for k, t in loaded.state_dict().items())
+
+
+def test_the_values_handed_on_are_the_ones_used() -> None:
+    """The base takes what its subclass passes on, not what Lightning's hparams gather from
+    every __init__ up the stack: a subclass that changes an argument first, and a recipe built
+    inside another module's __init__ (whose own arguments have the same names), get their
+    own values."""
+    from lightning.pytorch import LightningModule
+
+    class Scaled(SFTModule):
+        def __init__(self, lr: float = 1.0, batch_size: int = 4, **kwargs):
+            super().__init__(lr=lr / 100, batch_size=batch_size * 2, **kwargs)
+
+    scaled = Scaled()
+    assert (scaled.lr, scaled.batch_size) == (0.01, 8)
+
+    class Wrapper(LightningModule):
+        def __init__(self, lr: float = 7.0, batch_size: int = 999, data: str = "mine.jsonl"):
+            super().__init__()
+            self.inner = SFTModule(model=SMALL, lr=1e-4, batch_size=2)
+
+    inner = Wrapper().inner
+    assert (inner.lr, inner.batch_size, inner.data) == (1e-4, 2, "embedded:addition")
+    assert DatasetModule.shared({**DEFAULTS[SFTModule], "self": None}) == {k: DEFAULTS[SFTModule][k] for k in SHARED}
