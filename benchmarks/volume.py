@@ -128,8 +128,13 @@ def run_part(args: argparse.Namespace) -> dict:
     meta = {**_meta(args), "rate": rate}
     out.parent.mkdir(parents=True, exist_ok=True)
     results: dict = {}
-    rates = list(dict.fromkeys(key.split("/")[0] for key in cells))
-    for round_ in range(args.repeat):
+    rates = list(dict.fromkeys(key.split("/")[0] for key in cells if key not in skipped))
+    if len(rates) == 1:  # one cluster for every round, as the single-rate parts always had
+        with SimCluster(rate=rates[0]) as cluster:
+            for round_ in range(args.repeat):
+                results = _run_round(args, cluster, cells, rates[0], round_, runs, skipped, meta, out)
+        return results
+    for round_ in range(args.repeat):  # several rates: each round builds each rate's cluster in turn
         for cell_rate in rates:
             with SimCluster(rate=cell_rate) as cluster:
                 results = _run_round(args, cluster, cells, cell_rate, round_, runs, skipped, meta, out)

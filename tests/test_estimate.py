@@ -25,10 +25,10 @@ def _shape(params: float, *, trainable: float | None = None, root: float = 0, bl
                       layers=blocks, vocab=32000)
 
 
-def _rows(shape: ModelShape, **cluster) -> dict:
+def _rows(shape: ModelShape, extra: dict | None = None, **cluster) -> dict:
     c = Cluster(**{"nodes": 1, "gpus_per_node": 8, "gpu_memory": 80 * 2**30, "host_memory": 512 * 2**30,
                    "link": 100e9 / 8, "intra_link": 900e9, **cluster})
-    rows, best, why = estimate(shape, c, Workload(micro_batch=1, seq_len=512))
+    rows, best, why = estimate(shape, c, Workload(micro_batch=1, seq_len=512), extra)
     return {r.name: r for r in rows} | {"_best": best, "_why": why}
 
 
@@ -283,6 +283,17 @@ def test_4bit_and_delta_rows_are_shown_and_never_recommended_on_their_own() -> N
     assert delta.gpu["delta_copies"] == 2 * 8e9 / 8  # 16-bit copies of 1/8 of the parameters
     assert rows["_best"].name == "zeropp"
     assert "zeropp_delta would be" in rows["_why"] and "not recommended on its own" in rows["_why"]
+
+
+def test_error_feedback_keeps_fp32_errors_of_one_node_share_of_the_gradients() -> None:
+    """qgZ's kept errors ([Note: qgZ error feedback]): fp32, M chunks of each group's T / N
+    elements per rank, i.e. 4 T / L bytes; no cross-node byte more."""
+    rows = _rows(_shape(8e9, root=1e9, blocks=32), nodes=2, gpus_per_node=8,
+                 extra={"zeropp_ef": {"stage": 3, "quantized_weights": True, "hpz_partition_size": 0,
+                                      "quantized_gradients": True, "gradient_error_feedback": True}})
+    fed, zpp = rows["zeropp_ef"], rows["zeropp"]
+    assert fed.gpu["feedback_errors"] == 4 * 8e9 / 8 and "feedback_errors" not in zpp.gpu
+    assert fed.inter_bytes == zpp.inter_bytes
 
 
 @pytest.mark.compat  # fake tensors and autocast's op lists are torch's own: checked on each release

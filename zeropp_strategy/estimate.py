@@ -336,7 +336,7 @@ def table(m: ModelShape, c: Cluster, w: Workload, rows: list[ConfigEstimate], be
     for r in rows:
         g = r.gpu
         gathered = g.get("gathered", 0) + g.get("hpz_secondary", 0) + g.get("delta_copies", 0) + \
-            g.get("buckets", 0) + g.get("unsharded_gradients", 0)
+            g.get("feedback_errors", 0) + g.get("buckets", 0) + g.get("unsharded_gradients", 0)
         parts = " / ".join(_gib(v) for v in (g.get("parameters", 0), g.get("gradients", 0), g.get("optimizer", 0),
                                               gathered, g.get("activations", 0)))
         lines.append(f"| {r.name}{' (recommended)' if r is best else ''} | {_gib(r.gpu_total)} | {parts} | "

@@ -254,8 +254,8 @@ class Plan:
             parts.append(f"qwZ int{self.weight_bits} gathers across nodes (the codes on both hops)")
         if self.quantized_gradients:
             feedback = " with error feedback" if self.error_feedback else ""
-            parts.append(f"qgZ gradient reduce (int{self.gradient_bits_inside} inside the node, "
-                         f"{self.gradient_bits}-bit across{feedback})")
+            across = f", {self.gradient_bits}-bit across{feedback}" if self.num_nodes > 1 else ", one node"
+            parts.append(f"qgZ gradient reduce (int{self.gradient_bits_inside} inside the node{across})")
         parts.append(f"{'16-bit' if self.gather_16bit else 'full-precision'} gathers under mixed precision")
         parts.append(f"reduce dtype {self.reduce_dtype or 'of the precision'}")
         parts.append(f"{self.state_dict_type} checkpoints")
@@ -645,6 +645,8 @@ def cost(name: str, plan: Plan | None, model: ModelShape, cluster: Cluster, work
             e.gpu["hpz_secondary"] = C * P / hpz_group
         if delta:  # qwZ's kept copy of the shards of this local index on every node (frozen codes keep none)
             e.gpu["delta_copies"] = C * (T if frozen_bits else P) / L
+    if plan is not None and plan.error_feedback and stage >= 2:  # qgZ's kept errors: fp32, M chunks of T / N
+        e.gpu["feedback_errors"] = 4 * T / L
     stepped_on_host = moved_down = 0.0  # optimizer state the host steps, gradient bytes copied down
     if opt_off != "none":
         state = {"optimizer": e.gpu.pop("optimizer"), "gradients": e.gpu.pop("gradients")}

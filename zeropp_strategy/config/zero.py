@@ -486,7 +486,8 @@ _BITS_FIELDS = {  # field (4 or 8) -> fix
                          "only with weight_delta_coding=True (codes of the changes, not of the weights)",
     "gradient_quant_bits": "use 4 (ZeRO++'s qgZ) or 8 (more precise); 2 only with gradient_error_feedback=True "
                            "(what the codes drop is then sent with the next step's gradients)",
-    "gradient_quant_bits_intra": "use 8 (inside the node, where bytes are cheap), 4, or None (= gradient_quant_bits)",
+    "gradient_quant_bits_intra": "use 8 (inside the node, where bytes are cheap), 4, or None (= gradient_quant_bits, "
+                                 "when that is 4 or 8)",
     "frozen_weight_bits": "use 8 (int8, the default) or 4 (int4: half the bytes, a coarser step)",
 }
 _INT_MINIMUMS = {  # field -> (smallest valid value, fix)
