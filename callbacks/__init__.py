@@ -1,4 +1,4 @@
-"""Lightning callbacks for zeropp-strategy, installed as ``zeropp_strategy.callbacks``.
+"""Layer: recipes (callbacks). Lightning callbacks for zeropp-strategy, installed as ``zeropp_strategy.callbacks``.
 
     from zeropp_strategy.callbacks import CommVolumeMonitor, MemoryMonitor, ShardedEMA, ThroughputMonitor
 """

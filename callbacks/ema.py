@@ -1,4 +1,4 @@
-"""``ShardedEMA``: an exponential moving average of the weights, one shard per rank.
+"""Layer: recipes (callbacks). ``ShardedEMA``: an exponential moving average of the weights, one shard per rank.
 
     trainer = Trainer(strategy="zeropp", callbacks=[ShardedEMA(decay=0.999)])
 

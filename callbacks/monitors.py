@@ -1,4 +1,4 @@
-"""What sharding and ZeRO++ do, per training step, for any Lightning logger.
+"""Layer: recipes (callbacks). What sharding and ZeRO++ do, per training step, for any Lightning logger.
 
     trainer = Trainer(strategy="zeropp", callbacks=[CommVolumeMonitor(), MemoryMonitor(), ThroughputMonitor()])
 

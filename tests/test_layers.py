@@ -68,3 +68,30 @@ def test_rlhf_imports_no_recipe() -> None:
             if any(n == "zeropp_strategy.recipes" or n.startswith("zeropp_strategy.recipes.") for n in names):
                 offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not offenders, offenders
+
+
+# Each folder's layer (docs/architecture.md, "The layers"); a file at the package root names its own.
+_FOLDER_LAYERS = {
+    "recipes": ("recipes",), "callbacks": ("recipes (callbacks)",), "zeropp_strategy/rlhf": ("recipes (rlhf)",),
+    "zeropp_strategy/lightning": ("front-end",), "zeropp_strategy/accelerate": ("front-end",),
+    "zeropp_strategy/checkpoint": ("checkpoint",), "zeropp_strategy/engine": ("engine",),
+    "zeropp_strategy/offload": ("offload",), "zeropp_strategy/comm": ("comm",), "zeropp_strategy/kernels": ("kernels",),
+    "zeropp_strategy/config": ("plan",), "zeropp_strategy/data": ("base",),
+}
+_ROOT_LAYERS = ("commands", "front-end", "session", "plan", "primitives", "base", "package root")
+
+
+def test_every_file_names_its_layer_first() -> None:
+    """docs/architecture.md promises that each file's docstring starts with ``Layer: ...``:
+    every module of the package, the recipes and the callbacks, with its folder's layer."""
+    import ast
+
+    wrong = []
+    for folder in ("zeropp_strategy", "recipes", "callbacks"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            rel = path.relative_to(ROOT)
+            doc = ast.get_docstring(ast.parse(path.read_text()), clean=False) or ""
+            allowed = _FOLDER_LAYERS.get(rel.parent.as_posix(), _ROOT_LAYERS)
+            if not any(doc.startswith(f"Layer: {layer}") for layer in allowed):
+                wrong.append(f"{rel}: {doc[:60]!r} (expected 'Layer: ' and one of {allowed})")
+    assert not wrong, "\n".join(wrong)

@@ -1,4 +1,4 @@
-"""ZeRO stages 1/2/3 and ZeRO++ for PyTorch, as a Lightning strategy.
+"""Layer: package root. ZeRO stages 1/2/3 and ZeRO++ for PyTorch, as a Lightning strategy.
 
 ``import zeropp_strategy`` registers the names of ``PRESETS`` (``zeropp``,
 ``zeropp_stage_1`` ... ``zeropp_stage_3`` and the others listed in docs/strategy.md) in Lightning's strategy registries (``lightning.pytorch``,

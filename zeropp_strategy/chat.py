@@ -1,4 +1,4 @@
-"""``zeropp chat MODEL_DIR``: talk to an exported model folder (CLI command).
+"""Layer: commands. ``zeropp chat MODEL_DIR``: talk to an exported model folder (CLI command).
 
     zeropp chat runs/pipeline/actor --prompt "3+4=" --temperature 0   # one answer on stdout
     zeropp chat runs/pipeline/actor                                   # a session: you> ...

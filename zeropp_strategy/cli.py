@@ -1,4 +1,4 @@
-"""The ``zeropp`` command: one subcommand per function.
+"""Layer: commands. The ``zeropp`` command: one subcommand per function.
 
     zeropp --help
     zeropp demo [--strategy ddp] [--max-steps 60] ...   # see `zeropp demo --help`

@@ -1,4 +1,4 @@
-"""The main job: train a tiny Llama on the bundled corpus with ``strategy="zeropp"``.
+"""Layer: commands. The main job: train a tiny Llama on the bundled corpus with ``strategy="zeropp"``.
 
     zeropp demo                                   # or: python -m zeropp_strategy.demo
     zeropp demo --strategy ddp                    # the same run under plain DDP, to compare

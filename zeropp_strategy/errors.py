@@ -1,4 +1,4 @@
-"""User errors, as one line: ``error: <what>. Fix: <how>`` and exit status 2.
+"""Layer: base. User errors, as one line: ``error: <what>. Fix: <how>`` and exit status 2.
 
 Every layer may raise these (no import beyond the standard library): a mistake of the
 user's (a bad flag, a missing file, an unknown recipe key, a checkpoint that cannot be

@@ -1,4 +1,4 @@
-"""The command lines of ``zeropp demo``, ``pipeline``, ``consolidate`` and ``chat`` (CLI layer).
+"""Layer: commands. The command lines of ``zeropp demo``, ``pipeline``, ``consolidate`` and ``chat`` (CLI layer).
 
 Standard library only: ``zeropp`` parses a subcommand's flags here before importing the
 subcommand's module, so ``zeropp demo --help`` and a mistyped flag answer at once,

@@ -1,4 +1,4 @@
-"""``zeropp report RUN_DIR``: a run's logged metrics as PNG plots and a markdown summary.
+"""Layer: commands. ``zeropp report RUN_DIR``: a run's logged metrics as PNG plots and a markdown summary.
 
     zeropp demo --output-dir runs/demo && zeropp report runs/demo
     zeropp report runs/my_run --out runs/my_run/report
@@ -215,7 +215,7 @@ def make_report(run_dir: str | Path, out: str | Path | None = None) -> dict[str,
 
 
 def main(argv: list[str] | None = None, prog: str = "zeropp report") -> int:
-    parser = ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0].removeprefix("Layer: commands. "))
     parser.add_argument("run_dir", metavar="RUN_DIR", help="a CSVLogger run folder (or any folder above it)")
     parser.add_argument("--out", default=None, help="where the PNGs and report.md go (default: RUN_DIR/report)")
     args = parser.parse_args(argv)

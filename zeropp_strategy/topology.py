@@ -1,4 +1,4 @@
-"""Which rank lives on which node, and the device meshes built from that.
+"""Layer: base. Which rank lives on which node, and the device meshes built from that.
 
     topo = Topology.detect(world_size, rank)                # torchrun / SLURM / one node
     topo = Topology.detect(4, rank, simulated_nodes=2)      # tests: 4 ranks as 2 "nodes"

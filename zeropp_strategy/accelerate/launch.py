@@ -1,4 +1,4 @@
-"""Run an unchanged Accelerate script on the zeropp engine.
+"""Layer: front-end (Accelerate). Run an unchanged Accelerate script on the zeropp engine.
 
     accelerate launch --config_file recipes/accelerate/zeropp.yaml \\
         -m zeropp_strategy.accelerate.launch train.py --train-args ...

@@ -1,4 +1,4 @@
-"""Atomic checkpoint writes: a checkpoint either exists complete or not at all.
+"""Layer: checkpoint. Atomic checkpoint writes: a checkpoint either exists complete or not at all.
 
 [Note: atomic saves]
 Everything is written into a temporary sibling (``<name>.tmp-<nonce>``) and renamed

@@ -1,4 +1,4 @@
-"""Turn a zeropp sharded checkpoint into one full file, or into a Hugging Face folder.
+"""Layer: checkpoint. Turn a zeropp sharded checkpoint into one full file, or into a Hugging Face folder.
 
     zeropp consolidate runs/ckpts/step=100 full.ckpt              # what strategy="ddp" would have saved
     zeropp consolidate fabric-ckpt full.ckpt                      # Fabric: what fabric.save under DDP saves

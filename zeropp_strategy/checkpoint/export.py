@@ -1,8 +1,7 @@
-"""Exporting a live (sharded) model: a merged ``from_pretrained`` folder streamed one tensor
-at a time, or its LoRA adapters alone as a peft adapter folder.
-
-Layer: checkpoint (no training framework). Both functions are **collective**: every rank
-calls them with the same model.
+"""Layer: checkpoint (no training framework). Exporting a live (sharded) model: a merged
+``from_pretrained`` folder streamed one tensor at a time, or its LoRA adapters alone as a
+peft adapter folder. Both functions are **collective**: every rank calls them with the
+same model.
 
     import zeropp_strategy
     zeropp_strategy.export_pretrained(model, "out/merged", dtype=torch.bfloat16)  # transformers loads it

@@ -1,7 +1,6 @@
-"""The one Hugging Face exporter: full weights -> a checked ``from_pretrained`` folder.
-
-Layer: checkpoint (no process group, no training framework; transformers and
-safetensors are imported when used).
+"""Layer: checkpoint (no process group, no training framework; transformers and safetensors
+are imported when used). The one Hugging Face exporter: full weights -> a checked
+``from_pretrained`` folder.
 
     from zeropp_strategy.checkpoint.hf import HFModel, write_hf
     write_hf("export/lm", HFModel(weights=model.state_dict(), config=model.config, model_cls=type(model)))

@@ -1,4 +1,4 @@
-"""Integrity of checkpoints: per-file checksums, damaged files, empty or partial outputs.
+"""Layer: checkpoint. Integrity of checkpoints: per-file checksums, damaged files, empty or partial outputs.
 
 [Note: checkpoint checksums]
 A full (one-file) checkpoint needs no record of its own: ``torch.save`` writes a zip

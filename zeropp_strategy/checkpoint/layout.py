@@ -1,4 +1,4 @@
-"""Which checkpoint a path holds, and reading it for ``zeropp consolidate``.
+"""Layer: checkpoint. Which checkpoint a path holds, and reading it for ``zeropp consolidate``.
 
 Six layouts, three front ends by two formats (docs/checkpointing.md):
 

@@ -1,4 +1,4 @@
-"""Checkpoints of named modules and optimizers, for the front-ends without Lightning's
+"""Layer: checkpoint. Checkpoints of named modules and optimizers, for the front-ends without Lightning's
 checkpoint dict (Fabric's ``state`` dict, Accelerate's ``save_state``).
 
 Same two formats as the Lightning strategy (docs/checkpointing.md), with several

@@ -1,4 +1,4 @@
-"""Sharded checkpoints: every rank writes its own shards in parallel (DCP), keyed by name.
+"""Layer: checkpoint. Sharded checkpoints: every rank writes its own shards in parallel (DCP), keyed by name.
 
 [Note: sharded checkpoint format v1]
 A directory with

@@ -1,4 +1,4 @@
-"""The plain (unquantized) collectives, each booking its bytes into a CommLedger.
+"""Layer: comm. The plain (unquantized) collectives, each booking its bytes into a CommLedger.
 
 Three ways in, one per caller:
 - FSDP2 comm objects, ``LedgerAllGather`` / ``LedgerReduceScatter``, installed with

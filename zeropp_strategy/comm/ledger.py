@@ -1,4 +1,4 @@
-"""CommLedger: every byte this rank sends, split intra-node / inter-node, by kind.
+"""Layer: comm. CommLedger: every byte this rank sends, split intra-node / inter-node, by kind.
 
     ledger = CommLedger(topology)
     with ledger.phase(Phase.BACKWARD):

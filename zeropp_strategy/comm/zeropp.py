@@ -1,4 +1,4 @@
-"""ZeRO++ collectives as FSDP2 comm objects: qwZ (quantized weight all-gather) and qgZ
+"""Layer: comm. ZeRO++ collectives as FSDP2 comm objects: qwZ (quantized weight all-gather) and qgZ
 (hierarchical quantized gradient reduce-scatter). hpZ needs no collective of its own:
 it is FSDP2's integer ``reshard_after_forward`` (engine/fsdp.py), and this file's
 all-gather sends its backward gathers, which then stay inside a node, unquantized.

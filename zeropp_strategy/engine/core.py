@@ -1,4 +1,4 @@
-"""``ZeroEngine``: the ZeRO machinery every front-end shares.
+"""Layer: engine. ``ZeroEngine``: the ZeRO machinery every front-end shares.
 
 The Lightning strategy, the Fabric strategy and ``ZeroPPAccelerator`` differ in how a
 user hands them a model and an optimizer and in their hooks; what they do to those

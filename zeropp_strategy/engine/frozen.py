@@ -1,4 +1,4 @@
-"""Frozen parameters stored as int8 or int4 (ZeRO++ ``quantize_frozen_weights``, DeepSpeed's
+"""Layer: engine. Frozen parameters stored as int8 or int4 (ZeRO++ ``quantize_frozen_weights``, DeepSpeed's
 ``zero_quantized_nontrainable_weights``; ``frozen_weight_bits`` picks 8 or 4): for LoRA and
 RLHF, where most weights never change, each rank keeps its shard of a frozen weight as
 integer codes plus one fp32 scale per block. int8 takes about half the bytes of a 16-bit

@@ -1,4 +1,4 @@
-"""Stages 2 and 3 on PyTorch FSDP2: one ``fully_shard`` per block, then the root.
+"""Layer: engine. Stages 2 and 3 on PyTorch FSDP2: one ``fully_shard`` per block, then the root.
 
 Applied in this fixed order (torchtitan's rule: each step assumes the previous ones):
 1. choose blocks (``engine.wrap``);

@@ -1,4 +1,4 @@
-"""Per-rank bytes in parameters, gradients and optimizer state, and the ZeRO formulas.
+"""Layer: engine. Per-rank bytes in parameters, gradients and optimizer state, and the ZeRO formulas.
 
 Counting is of real storage: each tensor's local storage (a DTensor's local shard),
 deduplicated by storage, so a view is never counted twice (stage 1's optimizer shards

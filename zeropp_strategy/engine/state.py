@@ -1,4 +1,4 @@
-"""Full (unsharded) model and optimizer state, in exactly the layout DDP produces.
+"""Layer: engine. Full (unsharded) model and optimizer state, in exactly the layout DDP produces.
 
 A full state dict here is what ``strategy="ddp"`` would save: module ``state_dict()``
 keys with plain tensors, and ``optimizer.state_dict()`` keyed by parameter index in

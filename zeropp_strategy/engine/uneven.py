@@ -1,4 +1,4 @@
-"""Evaluation with a different number of batches per rank, without a hang at stage 3.
+"""Layer: engine. Evaluation with a different number of batches per rank, without a hang at stage 3.
 
 [Note: uneven evaluation]
 At stage 3 every forward all-gathers parameters, so it is a collective: a rank with one

@@ -1,4 +1,4 @@
-"""Peer watchdog: when a rank dies, the others stop within ``peer_timeout`` and name it.
+"""Layer: engine. Peer watchdog: when a rank dies, the others stop within ``peer_timeout`` and name it.
 
 [Note: peer watchdog]
 A rank killed mid-step (SIGKILL, the OOM killer, a lost node) leaves the others in their

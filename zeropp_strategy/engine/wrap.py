@@ -1,4 +1,4 @@
-"""Which submodules become one FSDP2 group each (the "wrap policy").
+"""Layer: engine. Which submodules become one FSDP2 group each (the "wrap policy").
 
 One group = one all-gather before its forward (and backward, at stage 3) and one
 reduce-scatter after its backward. Groups that are too small waste collective latency;

@@ -1,4 +1,4 @@
-"""Block quantization for the ZeRO++ collectives: one API, two back ends.
+"""Layer: kernels. Block quantization for the ZeRO++ collectives: one API, two back ends.
 
     from zeropp_strategy import kernels
     codes, scales = kernels.quantize(x, block_elems=256, bits=8)

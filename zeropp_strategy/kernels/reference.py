@@ -1,8 +1,7 @@
-"""Block quantization in plain torch: the CPU path and the oracle for the Triton kernels.
+"""Layer: kernels (imports torch only). Block quantization in plain torch: the CPU path and
+the oracle for the Triton kernels.
 
     python benchmarks/kernels.py --cpu-suite      # time per call at training sizes, GB/s
-
-Layer: kernels (imports torch only).
 
 [Note: quantization conventions]
 - Symmetric, one fp32 scale per block of ``block_elems`` consecutive elements of the

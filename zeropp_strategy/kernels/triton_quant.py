@@ -1,4 +1,4 @@
-"""Block quantization in Triton: the CUDA path behind ``zeropp_strategy.kernels``.
+"""Layer: kernels. Block quantization in Triton: the CUDA path behind ``zeropp_strategy.kernels``.
 
     pytest tests/test_kernels.py -q     # vs the reference (on CPU: under TRITON_INTERPRET=1)
     python benchmarks/kernels.py        # GB/s

@@ -1,4 +1,4 @@
-"""CPU and NVMe offload of optimizer state (ZeRO-Offload / ZeRO-Infinity style).
+"""Layer: offload. CPU and NVMe offload of optimizer state (ZeRO-Offload / ZeRO-Infinity style).
 
 ``OffloadOptimizer`` runs the optimizer step on the host with its state in RAM or in
 NVMe swap files; ``swap`` has the swap files, buffers and directory lifecycle. Parameter

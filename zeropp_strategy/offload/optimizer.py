@@ -1,4 +1,4 @@
-"""Optimizer offload: the optimizer step runs on the host, its state in RAM or on NVMe.
+"""Layer: offload. Optimizer offload: the optimizer step runs on the host, its state in RAM or on NVMe.
 
 [Note: how offload steps]
 ``OffloadOptimizer`` wraps the user's optimizer (the object ``configure_optimizers``

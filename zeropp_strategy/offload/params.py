@@ -1,4 +1,4 @@
-"""Parameter offload to NVMe (stage 3): sharded parameters rest in memory-mapped swap files.
+"""Layer: offload. Parameter offload to NVMe (stage 3): sharded parameters rest in memory-mapped swap files.
 
 [Note: parameters on NVMe]
 With ``offload_param="nvme"`` FSDP2 first keeps the sharded parameters in host memory

@@ -1,4 +1,4 @@
-"""NVMe swap: per-run swap directories, swap files, aligned host buffers, parallel I/O, and the
+"""Layer: offload. NVMe swap: per-run swap directories, swap files, aligned host buffers, parallel I/O, and the
 write-behind thread of the parameter store (``WriteBehind``, [Note: write-behind] in offload/params.py).
 
 [Note: swap I/O]

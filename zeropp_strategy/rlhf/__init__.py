@@ -1,4 +1,4 @@
-"""RLHF building blocks (the InstructGPT / DeepSpeed-Chat pipeline, and the GRPO family on
+"""Layer: recipes (rlhf). RLHF building blocks (the InstructGPT / DeepSpeed-Chat pipeline, and the GRPO family on
 verifiable rewards): formulas in ``ops`` and ``grpo_ops``; records and collators in
 ``data``; networks in ``models``; sampling in ``generation``; the Hugging Face export in
 ``export``; reward functions and the embedded task in ``rewards`` and ``task``; the

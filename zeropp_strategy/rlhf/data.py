@@ -1,4 +1,4 @@
-"""Records and collators for SFT, reward modelling, DPO and PPO.
+"""Layer: recipes (rlhf). Records and collators for SFT, reward modelling, DPO and PPO.
 
 Records are dicts with ``prompt`` and ``response`` (SFT) or ``prompt``, ``chosen`` and
 ``rejected`` (preferences), from a JSONL file, a ``datasets.load_dataset`` name, or the

@@ -1,4 +1,4 @@
-"""Writing trained RLHF models as Hugging Face folders, from inside a (sharded) run.
+"""Layer: recipes (rlhf). Writing trained RLHF models as Hugging Face folders, from inside a (sharded) run.
 
 Every function here is **collective**: each rank calls it. Both go through
 ``checkpoint.export.export_pretrained`` ([Note: streamed export]): the weights are gathered

@@ -1,4 +1,4 @@
-"""Sampling responses for PPO, and ZeRO-3's gather-once rule for generation.
+"""Layer: recipes (rlhf). Sampling responses for PPO, and ZeRO-3's gather-once rule for generation.
 
 Under stage 3 each transformer block's parameters live as shards and are all-gathered
 before the block runs and freed after it. ``generate`` runs the model once per new token,

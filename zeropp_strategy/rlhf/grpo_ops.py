@@ -1,4 +1,4 @@
-"""The formulas of GRPO and its variants, as plain tensor functions (recipes layer).
+"""Layer: recipes (rlhf). The formulas of GRPO and its variants, as plain tensor functions (recipes layer).
 
 Critic-free policy optimisation on groups: each prompt gets ``G`` sampled completions
 (rows ``[g * G, (g + 1) * G)`` of a batch are group ``g``), each completion one scalar

@@ -1,4 +1,4 @@
-"""Building the policy and reward networks: from a local ``from_pretrained`` folder, a
+"""Layer: recipes (rlhf). Building the policy and reward networks: from a local ``from_pretrained`` folder, a
 hub name, or a transformers config dict (the embedded default trains from scratch).
 
 All of it runs inside ``LightningModule.configure_model`` so that ``zeropp`` at stages 2/3

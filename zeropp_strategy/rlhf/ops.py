@@ -1,4 +1,4 @@
-"""The formulas of RLHF training, as plain tensor functions (no modules, no state).
+"""Layer: recipes (rlhf). The formulas of RLHF training, as plain tensor functions (no modules, no state).
 
 Conventions, shared by every function here:
 

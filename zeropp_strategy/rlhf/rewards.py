@@ -1,4 +1,4 @@
-"""Reward functions for ``GRPOModule``: verifiable checks as plain callables (recipes layer).
+"""Layer: recipes (rlhf). Reward functions for ``GRPOModule``: verifiable checks as plain callables (recipes layer).
 
 A reward function is called with keywords, ``f(prompts=[...], completions=[...], **columns)``,
 one entry per completion (a prompt appears once per completion of its group; ``columns``

@@ -1,4 +1,4 @@
-"""The embedded task: small additions whose answers can be checked, generated
+"""Layer: recipes (rlhf). The embedded task: small additions whose answers can be checked, generated
 deterministically (no files, no downloads).
 
 A prompt is ``"a+b="`` with ``a, b`` in ``0..max_operand``; the correct response is the
