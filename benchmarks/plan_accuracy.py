@@ -9,7 +9,7 @@ the model built in ``configure_model`` under the Trainer), at the link rates of 
 The plan prices the same model the way ``zeropp plan`` prices a user's: its config.json
 written to a folder and read back (``estimate.model_shape``, activations traced), each
 system's ``ZeroConfig`` resolved for 2 nodes x 2 ranks (``plan.resolve``) and costed
-(``plan.cost``) on a cluster whose link is the cell's rate.
+(``cost.cost``) on a cluster whose link is the cell's rate.
 
 Compared, per system: cross-node bytes per step (the ledger's, summed over the ranks),
 model states per rank (storage bytes of parameters, gradients and optimizer state after a
@@ -102,7 +102,7 @@ def _model(batch: int):
     """GPT-2 small as ``zeropp plan`` reads a user's model (a config.json folder, activations
     traced), and the workload of a cell."""
     from zeropp_strategy.estimate import model_shape, with_traced_activations
-    from zeropp_strategy.plan import Workload
+    from zeropp_strategy.cost import Workload
 
     with tempfile.TemporaryDirectory() as folder:
         gpt2("small").config.save_pretrained(folder)
@@ -114,7 +114,8 @@ def planned(shape, work, tflops: float) -> dict:  # noqa: ANN001
     """``zeropp plan``'s figures for every system and rate, compute at ``tflops`` (the
     calibrated rate, MFU 1), the step with the link hidden (``overlap`` 1) and not (0)."""
     from zeropp_strategy.config import ZeroConfig
-    from zeropp_strategy.plan import ByteModel, Cluster, cost, resolve
+    from zeropp_strategy.cost import ByteModel, Cluster, cost
+    from zeropp_strategy.plan import resolve
     from zeropp_strategy.topology import Topology
 
     out = {}

@@ -176,7 +176,8 @@ def test_bad_input_is_one_line_naming_the_field(argv, message, capsys) -> None:
 def test_the_bytes_per_element_follow_the_runs_precision(precision, fields, want) -> None:
     """ByteModel.of: what a run's own plan is priced with (param, grad, optimizer, gather, reduce)."""
     from zeropp_strategy.config import ZeroConfig
-    from zeropp_strategy.plan import ByteModel, resolve
+    from zeropp_strategy.cost import ByteModel
+    from zeropp_strategy.plan import resolve
     from zeropp_strategy.topology import Topology
 
     config = ZeroConfig(stage=3, quantized_gradients=True, gradient_quant_bits_intra=8, **fields)
@@ -335,7 +336,7 @@ def test_traced_activations_are_what_a_real_forward_saves(tmp_path, arch) -> Non
     rows = {r.name: r for r in estimate(shape, cluster, work)[0]}
     assert rows["ddp"].gpu["activations"] == rows["zeropp_stage_1"].gpu["activations"] == fp32.root + fp32.blocks
     assert rows["zeropp_stage_3"].gpu["activations"] == rows["zeropp"].gpu["activations"] == bf16.root + bf16.blocks
-    from zeropp_strategy.plan import activations
+    from zeropp_strategy.cost import activations
 
     checkpointed = dataclasses.replace(work, activation_checkpointing=True)
     assert activations(shape, checkpointed, params_16bit=True) == bf16.root + bf16.block_inputs + bf16.largest_block
@@ -368,7 +369,7 @@ def test_offload_time_is_the_host_step_and_the_pcie_copies() -> None:
     gradient shards go down once, the parameter shards up once after the step (optimizer
     offload) or for each gather, forward and backward (parameter offload too). The rates
     are the ones docs/plan.md took from one H200 ("On one GPU")."""
-    from zeropp_strategy.plan import HOST_BYTES_PER_S, PCIE_BYTES_PER_S
+    from zeropp_strategy.cost import HOST_BYTES_PER_S, PCIE_BYTES_PER_S
 
     rows = _rows(_shape(1e9, root=1e8, blocks=10), nodes=1, gpus_per_node=1)
     params = grads = 4e9  # fp32 shards of the whole model on one rank

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from tests._models import Net
-from zeropp_strategy.engine.fsdp import materialize
+from zeropp_strategy.engine.materialize import materialize
 from zeropp_strategy.engine.meta_init import build_context, build_rng_state, meta_build
 from zeropp_strategy.errors import UsageError
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests._dist import run_ranks
-from zeropp_strategy.engine.fsdp import materialize
+from zeropp_strategy.engine.materialize import materialize
 from zeropp_strategy.engine.meta_init import meta_build
 from zeropp_strategy.engine.pretrained import from_pretrained
 from zeropp_strategy.errors import UsageError

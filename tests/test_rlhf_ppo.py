@@ -268,7 +268,7 @@ def _ppo_runs(rank: int, world: int, tmp: str) -> dict:
         calls[once] = ledger.totals(CommKind.PARAM_ALLGATHER_FWD).calls
         out[f"tokens_{once}"] = exp["response"].shape[1]
     out["gather_calls"] = calls
-    from zeropp_strategy.engine.fsdp import fsdp_modules
+    from zeropp_strategy.engine.fsdp_groups import fsdp_modules
 
     out["blocks"] = len(fsdp_modules(module.actor))
     module.export_hf(f"{tmp}/actor")

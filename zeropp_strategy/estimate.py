@@ -5,7 +5,7 @@ it fits, and the one to use.
     zeropp plan meta-llama/Llama-3-8B-folder --nodes 2 --gpus-per-node 8 --gpu-memory 80GB \\
         --host-memory 512GB --link 100Gbit --intra-link 900GB/s --micro-batch 4 --seq-len 2048
 
-The arithmetic is the plan's (``plan.cost``; [Note: the estimate] in plan.py): the same
+The arithmetic is the plan's cost (``cost.cost``; [Note: the estimate] in cost.py): the same
 function prices the run's own plan at its start (``ZeroSession.explain``). This module adds
 the model from a name (built on the meta device), every config side by side, the
 recommendation and the command.
@@ -20,8 +20,9 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from zeropp_strategy.config import ZeroConfig
-from zeropp_strategy.plan import (ActivationTrace, ByteModel, Cluster, ConfigEstimate, ModelShape, Workload, cost,
-                                   leaf_counts, resolve)
+from zeropp_strategy.cost import (ActivationTrace, ByteModel, Cluster, ConfigEstimate, ModelShape, Workload, cost,
+                                  leaf_counts)
+from zeropp_strategy.plan import resolve
 from zeropp_strategy.presets import PRESETS
 from zeropp_strategy.topology import Topology
 

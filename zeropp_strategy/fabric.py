@@ -44,10 +44,10 @@ from zeropp_strategy.checkpoint.objects import split_state, stateful
 from zeropp_strategy.comm.ledger import Phase
 from zeropp_strategy.config import ZeroConfig
 from zeropp_strategy.engine.core import ZeroEngine
-from zeropp_strategy.engine.fsdp import fsdp_modules, has_meta
+from zeropp_strategy.engine.fsdp_groups import fsdp_modules
 from zeropp_strategy.engine.guards import check_nonfinite_policy, named_parameters
 from zeropp_strategy.engine.guards import unwrap as _unwrap  # noqa: F401 - tests import it from here
-from zeropp_strategy.engine.meta_init import build_context
+from zeropp_strategy.engine.meta_init import build_context, has_meta
 from zeropp_strategy.engine.precision import PrecisionPolicy
 from zeropp_strategy.session import ZeroSession
 

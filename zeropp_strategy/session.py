@@ -58,9 +58,11 @@ from zeropp_strategy.checkpoint.objects import load_objects, save_objects
 from zeropp_strategy.comm import control
 from zeropp_strategy.comm.ledger import CommLedger, Phase
 from zeropp_strategy.config import ZeroConfig
+from zeropp_strategy.cost import ByteModel, Cluster, ConfigEstimate, cost
 from zeropp_strategy.engine.core import ZeroEngine
 from zeropp_strategy.engine.memory import close_offload
-from zeropp_strategy.engine.fsdp import ShardedRoot, fsdp_modules, model_shape
+from zeropp_strategy.engine.fsdp import ShardedRoot, model_shape
+from zeropp_strategy.engine.fsdp_groups import fsdp_modules
 from zeropp_strategy.engine.guards import check_nonfinite, check_nonfinite_policy, check_same_config, unwrap
 from zeropp_strategy.engine.precision import (
     PrecisionPolicy,
@@ -72,7 +74,7 @@ from zeropp_strategy.engine.precision import (
 from zeropp_strategy.engine.process_group import check_offload_paths, connect, destroy_at_exit
 from zeropp_strategy.fsdp_private import keep_unsharded_after_forward
 from zeropp_strategy.engine.watchdog import PeerWatchdog
-from zeropp_strategy.plan import ByteModel, Cluster, ConfigEstimate, Plan, cost, resolve
+from zeropp_strategy.plan import Plan, resolve
 from zeropp_strategy.plan import explain as explain_plan
 from zeropp_strategy.topology import Meshes, Topology
 
@@ -126,23 +128,10 @@ class ZeroSession:
         control.set_default_ledger(engine.ledger)
 
     @classmethod
-    def start(
-        cls,
-        config: ZeroConfig,
-        *,
-        rank: int,
-        world_size: int,
-        ranks_per_node: int,
-        device: torch.device,
-        precision: PrecisionPolicy,
-        where: str,
-        on_nonfinite: str = "ignore",
-        init: Callable[..., None] | None = None,
-        backend: str | None = None,
-        timeout: timedelta | None = None,
-        info: Callable[[str], None] = log.info,
-        gather_16bit_default: bool = True,
-    ) -> ZeroSession:
+    def start(cls, config: ZeroConfig, *, rank: int, world_size: int, ranks_per_node: int, device: torch.device,
+              precision: PrecisionPolicy, where: str, on_nonfinite: str = "ignore",
+              init: Callable[..., None] | None = None, backend: str | None = None, timeout: timedelta | None = None,
+              info: Callable[[str], None] = log.info, gather_16bit_default: bool = True) -> ZeroSession:
         check_nonfinite_policy(on_nonfinite, where)
         config.validate_for_world(world_size, ranks_per_node)
         check_offload_paths(config.offload_blocks)
@@ -256,7 +245,7 @@ class ZeroSession:
 
     def _price(self, prepared: nn.Module) -> None:
         """The plan's cost for a model prepared for training, once ([Note: the estimate] in
-        plan.py): one line on rank 0 through the front-end's ``info``, every term at DEBUG and
+        cost.py): one line on rank 0 through the front-end's ``info``, every term at DEBUG and
         in ``explain``. An estimate must never stop a run: a model it cannot read is logged
         and left out."""
         module = unwrap(prepared)
@@ -291,7 +280,7 @@ class ZeroSession:
     def estimates(self) -> dict[str, ConfigEstimate]:
         """What the plan costs each model prepared for training, by the model's class name:
         memory per rank by part (``gpu``: the device, ``host``), bytes per step per rank
-        inside and across nodes ([Note: the estimate] in plan.py). No activations (no batch
+        inside and across nodes ([Note: the estimate] in cost.py). No activations (no batch
         has been seen) and no link time (a run does not know its links: ``zeropp plan``)."""
         return dict(self._estimates)
 

@@ -7,7 +7,7 @@ docs/architecture.md.
 
 - ``local(t)``, ``is_dtensor(t)`` (``primitives``): the part of a DTensor this rank holds;
   whether a tensor is one.
-- ``fsdp_modules(root)`` (``engine.fsdp``): the FSDP2 groups below ``root``, outermost first.
+- ``fsdp_modules(root)`` (``engine.fsdp_groups``): the FSDP2 groups below ``root``, outermost first.
 - ``wait_for_parameters(optimizers)`` (``engine.stage1``): finish stage 1's post-step
   gathers before reading parameters directly after a step.
 - ``copy_on_materialize(module)`` (``engine.pretrained``): a deep copy that stays equal to
@@ -24,7 +24,7 @@ from __future__ import annotations
 from zeropp_strategy.checkpoint.consolidate import weights_dtype
 from zeropp_strategy.checkpoint.sharded import CALLBACK_TENSORS, CALLBACK_TENSORS_ID
 from zeropp_strategy.comm.control import all_gather_object
-from zeropp_strategy.engine.fsdp import fsdp_modules
+from zeropp_strategy.engine.fsdp_groups import fsdp_modules
 from zeropp_strategy.engine.pretrained import copy_on_materialize
 from zeropp_strategy.engine.stage1 import wait_for_parameters
 from zeropp_strategy.primitives import is_dtensor, local

@@ -42,7 +42,7 @@ from torch.optim import Optimizer
 from zeropp_strategy.comm.ledger import Phase
 from zeropp_strategy.config import ZeroConfig
 from zeropp_strategy.engine.core import ZeroEngine
-from zeropp_strategy.engine.fsdp import fsdp_modules
+from zeropp_strategy.engine.fsdp_groups import fsdp_modules
 from zeropp_strategy.engine.guards import check_nonfinite_policy, named_parameters
 from zeropp_strategy.engine.guards import unwrap as _unwrap
 from zeropp_strategy.engine.precision import PrecisionPolicy, ShardedGradScaler

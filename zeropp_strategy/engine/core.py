@@ -38,9 +38,9 @@ from zeropp_strategy.comm.ledger import CommKind, CommLedger
 from zeropp_strategy.engine.local_step import LocalStepOptimizer, steps_locally
 from zeropp_strategy.engine.remap import remap_optimizer
 from zeropp_strategy.engine.memory_plan import MemoryPlan, check_memory_plan
-from zeropp_strategy.engine.fsdp import (
-    ShardedRoot, fsdp_modules, materialize, replicated_params, shard_module, to_empty_keeping_ties,
-)
+from zeropp_strategy.engine.fsdp import ShardedRoot, replicated_params, shard_module
+from zeropp_strategy.engine.fsdp_groups import fsdp_modules
+from zeropp_strategy.engine.materialize import materialize, to_empty_keeping_ties
 from zeropp_strategy.engine.grad_reads import watch_reads
 from zeropp_strategy.engine.meta_init import RANK0_VALUES_ATTR
 from zeropp_strategy.engine.guards import agree, broadcast_module, unwrap

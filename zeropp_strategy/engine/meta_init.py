@@ -3,7 +3,7 @@
     with meta_build():                    # what the front-ends enter for configure_model / init_module
         model = MyTransformer()           # no memory: every tensor is on the meta device
     ...
-    materialize(model, device)            # engine/fsdp.py: shard by shard, from the build's random state
+    materialize(model, device)            # engine/materialize.py: shard by shard, from the build's random state
 
 [Note: the build's random state]
 At stages 2 and 3 the front-ends build the user's model on the meta device by default

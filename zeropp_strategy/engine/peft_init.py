@@ -7,7 +7,7 @@ inside a Hugging Face model, whose ``_init_weights`` ``materialize`` would give 
 would start random and the model would not start from the base. So ``materialize`` asks
 here first: for the A and B of each adapter, peft's ``reset_lora_parameters`` with the
 adapter's ``init_lora_weights`` (read from the ``peft_config`` of the ``PeftModel`` that
-holds it), once per adapter, over whole tensors (``whole``: engine/fsdp.py's
+holds it), once per adapter, over whole tensors (``whole``: engine/materialize.py's
 ``_whole_tensors``). Initializations that read the base weights (PiSSA, OLoRA, LoftQ, EVA,
 ...) cannot run on a model that has no weights yet: they are refused with the fix.
 """

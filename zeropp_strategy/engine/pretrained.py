@@ -9,7 +9,7 @@
 memory before a single shard exists (8 ranks x 16 GB for an 8B model in bf16). Under the
 strategy's meta build (``ZeroConfig.meta_init``, engine/meta_init.py), ``from_pretrained``
 here builds the model's skeleton with ``from_config`` on the meta device and remembers the
-folder; after sharding, ``materialize`` (engine/fsdp.py) allocates each module's shard and
+folder; after sharding, ``materialize`` (engine/materialize.py) allocates each module's shard and
 fills it from the folder instead of drawing random values: a memory-mapped
 ``safetensors`` slice of the rows this rank owns (FSDP2 shards dim 0 in chunks of
 ceil(rows / ranks)), converted to the parameter's dtype, one tensor in flight at a time.

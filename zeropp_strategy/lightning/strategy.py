@@ -55,7 +55,8 @@ from zeropp_strategy._process import ProcessMixin
 from zeropp_strategy.comm.ledger import CommLedger, Phase
 from zeropp_strategy.config import ZeroConfig
 from zeropp_strategy.engine.core import ZeroEngine
-from zeropp_strategy.engine.fsdp import ShardedRoot, fsdp_modules
+from zeropp_strategy.engine.fsdp import ShardedRoot
+from zeropp_strategy.engine.fsdp_groups import fsdp_modules
 from zeropp_strategy.engine.guards import check_nonfinite_policy
 from zeropp_strategy.engine.memory import MemoryStats, memory_stats
 from zeropp_strategy.engine.meta_init import build_context, has_meta

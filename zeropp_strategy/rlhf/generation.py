@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from zeropp_strategy.engine.fsdp import fsdp_modules
+from zeropp_strategy.engine.fsdp_groups import fsdp_modules
 from zeropp_strategy.fsdp_private import keep_unsharded_after_forward
 from zeropp_strategy.rlhf.models import positions
 from zeropp_strategy.rlhf.ops import sampling_logits
