@@ -95,3 +95,13 @@ def test_every_file_names_its_layer_first() -> None:
             if not any(doc.startswith(f"Layer: {layer}") for layer in allowed):
                 wrong.append(f"{rel}: {doc[:60]!r} (expected 'Layer: ' and one of {allowed})")
     assert not wrong, "\n".join(wrong)
+
+
+def test_every_file_stays_under_500_lines() -> None:
+    """docs/architecture.md's rule, for the package, the recipes, the callbacks and the
+    benchmark scripts alike: one concept per file, 500 lines at most."""
+    long = [f"{path.relative_to(ROOT)}: {n} lines"
+            for folder in ("zeropp_strategy", "recipes", "callbacks", "benchmarks")
+            for path in sorted((ROOT / folder).rglob("*.py"))
+            if (n := len(path.read_text().splitlines())) > 500]
+    assert not long, "\n".join(long)

@@ -26,41 +26,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # already sys.path[0] when this runs as a script
 
 import torch  # noqa: E402
 from llama import llama_config, llama_params  # noqa: E402 - the shapes: benchmarks/llama.py
+from parts_common import (  # noqa: E402 - the parts' shared helpers: benchmarks/gpu/parts_common.py
+    Budget, _bench_kernels, _cuda, _env_result, _save_partial, _text, _write_json)
 
 DATASHEET_BF16_TFLOPS = 989.4  # H100/H200 SXM, dense bf16 (the vendor's datasheet): the MFU denominator
 ONE_GPU_SYSTEMS = ("plain", "zeropp_stage_3", "zeropp_offload")
-
-
-class Budget:
-    def __init__(self, seconds: float) -> None:
-        self.end = time.monotonic() + seconds
-
-    def left(self) -> float:
-        return self.end - time.monotonic()
-
-
-def _text(out: bytes | str | None) -> str:
-    return out.decode(errors="replace") if isinstance(out, bytes) else (out or "")
-
-
-def _save_partial(args: argparse.Namespace, r: dict) -> None:
-    """The part's figures so far, where check.py reads them: a part killed by its backstop
-    (a child that takes long to die: 64 GiB of pinned host memory to unpin) keeps what finished."""
-    _write_json(args.result, {**r, "status": "partial"})
-
-
-def _write_json(path: Path, r: dict) -> None:
-    """Whole or not at all: the driver's backstop kill may land mid-write."""
-    tmp = path.with_suffix(".partial")
-    tmp.write_text(json.dumps(r, indent=1) + "\n")
-    os.replace(tmp, path)
-
-
-def _cuda(dry_run: bool) -> bool:
-    return torch.cuda.is_available() and not dry_run
 
 
 # -- env ------------------------------------------------------------------------------------------
@@ -136,18 +110,6 @@ def part_tests(args: argparse.Namespace, budget: Budget) -> dict:
 
 
 # -- kernels --------------------------------------------------------------------------------------
-
-
-def _bench_kernels():
-    spec = importlib.util.spec_from_file_location("bench_kernels", ROOT / "benchmarks" / "kernels.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _env_result(args: argparse.Namespace) -> dict:
-    path = Path(args.work) / "env.json"
-    return json.loads(path.read_text()) if path.exists() else {}
 
 
 def part_kernels(args: argparse.Namespace, budget: Budget) -> dict:

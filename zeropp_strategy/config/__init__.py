@@ -13,13 +13,14 @@ field, the value, why it is wrong and the fix; wrong types raise TypeError, bad 
 Checks that need the job size live in ``validate_for_world``. Stdlib + yaml only: no torch, no
 Lightning. Tests: python -m pytest tests/test_config.py -q
 
-Files: ``zero.py`` (``ZeroConfig``, ``OffloadConfig``: the fields and their checks),
-``checks.py`` (the small validators every field uses), ``deepspeed.py`` (DeepSpeed JSON to
-``ZeroConfig``). The policies per concern and the per-job decisions are in
-``zeropp_strategy.plan``.
+Files: ``zero.py`` (``ZeroConfig``: the fields and their checks), ``offload.py``
+(``OffloadConfig``, the offload blocks, and ``NVME_PATH_ENV``), ``checks.py`` (the small
+validators every field uses), ``deepspeed.py`` (DeepSpeed JSON to ``ZeroConfig``). The
+policies per concern and the per-job decisions are in ``zeropp_strategy.plan``.
 """
 
 from zeropp_strategy.config.checks import REDUCE_DTYPE_NAMES, ZeroConfigWarning
-from zeropp_strategy.config.zero import NVME_PATH_ENV, OffloadConfig, ZeroConfig
+from zeropp_strategy.config.offload import NVME_PATH_ENV, OffloadConfig
+from zeropp_strategy.config.zero import ZeroConfig
 
 __all__ = ["NVME_PATH_ENV", "REDUCE_DTYPE_NAMES", "OffloadConfig", "ZeroConfig", "ZeroConfigWarning"]

@@ -77,6 +77,9 @@ def _ds_block(d: Mapping[str, Any], key: str, source: str) -> Mapping[str, Any]:
     return block or {}
 
 
+# [Note: DeepSpeed sizes] DeepSpeed counts bucket and buffer sizes in elements of the
+# communication / parameter dtype; we count bytes. A size converts at 2 bytes per element when
+# bf16 or fp16 is enabled, else at 4 (fp32), so the buffers keep the size DeepSpeed gave them.
 def _from_deepspeed(cls: type[Any], d: Mapping[str, Any], source: str, *, warn: bool,
                     stacklevel: int) -> Any:
     half = any(_ds_block(d, k, source).get("enabled") in _TRUE for k in ("bf16", "fp16"))
