@@ -97,7 +97,7 @@ def _worker(rank, world, tmp, disk):
     import zeropp_strategy  # noqa: F401 - registers the strategy names
     from tests._models import Net, dataset
     from zeropp_strategy.engine.state import full_model_state, full_optimizer_state
-    from zeropp_strategy.fabric import ZeroPPFabricStrategy, _unwrap
+    from zeropp_strategy.fabric import _unwrap
 
     tmp = Path(tmp)
     out = {}
@@ -129,17 +129,6 @@ def _worker(rank, world, tmp, disk):
     step()
     fabric.save(tmp / "other", {"model": model, "optimizer": opt, "step": 2})
     strategy = fabric.strategy
-    # A full-format file comes from a run of its own: the format is the session's plan,
-    # decided at setup, so a second Fabric with state_dict_type="full" loads "other" and saves.
-    full_fabric = Fabric(strategy=ZeroPPFabricStrategy(stage=3, state_dict_type="full"), accelerator="cpu",
-                         devices=world, precision="32-true")
-    full_fabric.launch()
-    torch.manual_seed(1234)
-    model_full = Net(width=WIDTH)
-    model_full, opt_full = full_fabric.setup(model_full, torch.optim.AdamW(model_full.parameters(), lr=1e-2))
-    full_fabric.load(tmp / "other", {"model": model_full, "optimizer": opt_full})
-    full_fabric.save(tmp / "fabric_full.ckpt", {"model": model_full, "optimizer": opt_full, "step": 2})
-    assert (tmp / "fabric_full.ckpt").is_file()
     cases = _damage(tmp / "good", tmp, tmp / "other") if rank == 0 else None
     cases = strategy.broadcast(cases)
     for name in cases:
@@ -183,6 +172,26 @@ def _worker(rank, world, tmp, disk):
     return out
 
 
+def _full_worker(rank, world, tmp):
+    """A full-format Fabric file comes from a run of its own: the format is the session's plan,
+    decided at setup, so a Fabric set up with state_dict_type="full" loads "other" and saves."""
+    from lightning.fabric import Fabric
+
+    from tests._models import Net
+    from zeropp_strategy.fabric import ZeroPPFabricStrategy
+
+    tmp = Path(tmp)
+    fabric = Fabric(strategy=ZeroPPFabricStrategy(stage=3, state_dict_type="full"), accelerator="cpu",
+                    devices=world, precision="32-true")
+    fabric.launch()
+    torch.manual_seed(1234)
+    model = Net(width=WIDTH)
+    model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    fabric.load(tmp / "other", {"model": model, "optimizer": opt})
+    fabric.save(tmp / "fabric_full.ckpt", {"model": model, "optimizer": opt, "step": 2})
+    return (tmp / "fabric_full.ckpt").is_file()
+
+
 @pytest.fixture(scope="module")
 def group(tmp_path_factory):
     """(tmp dir, per-rank results) of the one spawned group; mounts and unmounts the tmpfs."""
@@ -193,6 +202,7 @@ def group(tmp_path_factory):
                              capture_output=True, text=True).returncode == 0
     try:
         results = run_ranks(_worker, 2, (str(tmp), str(disk) if mounted else None), timeout_s=300)
+        assert all(run_ranks(_full_worker, 2, (str(tmp),), timeout_s=120))
     finally:
         if mounted:
             subprocess.run(["umount", str(disk)], check=False)
