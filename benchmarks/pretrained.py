@@ -136,6 +136,9 @@ def run_cell(args: argparse.Namespace) -> None:
         import zeropp_strategy
         from zeropp_strategy import ZeroPPStrategy
     out["import_s"] = time.perf_counter() - t0
+    import resource
+
+    usage0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
 
     def measured(loaded: bool = True) -> None:  # the load's time and peaks end here, before any hashing
@@ -143,6 +146,9 @@ def run_cell(args: argparse.Namespace) -> None:
             return
         if loaded:
             out["load_s"] = time.perf_counter() - t0
+            usage = resource.getrusage(resource.RUSAGE_SELF)  # the kernel's account of the same window
+            out.update(user_s=usage.ru_utime - usage0.ru_utime, sys_s=usage.ru_stime - usage0.ru_stime,
+                       minor_faults=usage.ru_minflt - usage0.ru_minflt)
         peak.stop.set()
         last = peak.sample()
         out.update(peak_rss=peak.peak["VmRSS"], peak_anon=peak.peak["RssAnon"], VmHWM=last["VmHWM"])
@@ -278,11 +284,13 @@ def table(res: dict) -> str:
     bound = (res["shard_bytes"] + res["largest_tensor_bytes"]) * 1.1
     lines = [f"folder {res['folder_bytes'] / gib:.2f} GiB; per-rank bound (shard + largest tensor + 10%) "
              f"{bound / gib:.2f} GiB", "",
-             "| mode | rank | load s | peak RSS GiB | of which anonymous, peak GiB | VmHWM GiB |",
-             "|---|---|---|---|---|---|"]
+             "| mode | rank | load s | user s | system s | minor faults | peak RSS GiB | of which anonymous, peak GiB "
+             "| VmHWM GiB |", "|---|---|---|---|---|---|---|---|---|"]
     for c in res["cells"]:
         for r in c["ranks"]:
-            lines.append(f"| {c['mode']} | {r.get('rank', '-')} | {r.get('load_s', float('nan')):.1f} | "
+            nan = float("nan")
+            lines.append(f"| {c['mode']} | {r.get('rank', '-')} | {r.get('load_s', nan):.1f} | "
+                         f"{r.get('user_s', nan):.1f} | {r.get('sys_s', nan):.1f} | {r.get('minor_faults', 0)} | "
                          f"{r['peak_rss'] / gib:.2f} | {r['peak_anon'] / gib:.2f} | {r['VmHWM'] / gib:.2f} |")
     return "\n".join(lines)
 

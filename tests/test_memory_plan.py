@@ -95,9 +95,13 @@ def _llama(tie: bool):
 
 def test_frozen_leaves_are_gathered_one_at_a_time_not_with_the_root():
     """A LoRA-shaped Llama (frozen embedding and head, each larger than a block; [Note:
-    frozen leaves] in engine/wrap.py): the plan's gathered row holds the largest leaf beside
-    two blocks, not both for the whole step in the root group. A trainable, tied or small
-    embedding stays in the root."""
+    frozen leaves] in engine/wrap.py): the leaves are priced at the moments they are
+    gathered ([Note: two moments of a step]), not both for the whole step in the root group:
+    the head beside the one block prefetched in backward, with the activations; the
+    embedding beside the two blocks the root prefetches, before any activation, as one more
+    row that measured activations lower. A trainable, tied or small embedding stays in the
+    root."""
+    from zeropp_strategy.engine.memory_plan import ACTIVATIONS_ROW, EARLY_ROW
     from zeropp_strategy.engine.wrap import frozen_leaves, select_blocks
 
     net = _llama(tie=False)
@@ -107,16 +111,39 @@ def test_frozen_leaves_are_gathered_one_at_a_time_not_with_the_root():
     embed, head = net.get_input_embeddings(), net.get_output_embeddings()
     assert frozen_leaves(net, blocks, min_params=1000) == [embed, head]
     assert frozen_leaves(net, blocks, min_params=10**6) == []
+    cfg = ZeroConfig(stage=3, offload_optimizer="cpu", host_memory_budget_bytes=2 * GiB)
+    block = sum(p.numel() for p in blocks[0].parameters())
+    table = embed.weight.numel()  # the head's too (untied, same shape)
+    root = sum(p.numel() for p in net.parameters()) - 3 * block - 2 * table
+
+    plan = plan_memory(net, blocks, cfg, ranks_per_node=2, device=torch.device("cpu"), gather_bytes=4,
+                       leaves=[embed, head])
+    host = dict(plan.host)
+    gathered = host["gathered parameters: the root group + its frozen head + the block prefetched in backward"]
+    assert gathered == (root + table + block) * 4
+    grads = host["unsharded gradients in backward: the root group + 2 blocks"]
+    assert grads == 0  # nothing trains
+    early = (root + table + 2 * block) * 4 - gathered  # the embedding's moment: one block more
+    assert host[EARLY_ROW] == early > 0
+    # measured activations: the blocks' moment gains them, the embedding's does not
+    assert dict(plan.with_activations(early // 4).host)[EARLY_ROW] == early - early // 4
+    measured = plan.with_activations(early)
+    assert EARLY_ROW not in dict(measured.host) and measured.host[-1] == (ACTIVATIONS_ROW, early)
+    assert measured.host_bytes == plan.host_bytes  # the larger moment is unchanged, not the sum
+    assert plan.with_activations(3 * early).host_bytes == plan.host_bytes + 2 * early
+
     head.weight.requires_grad_(True)  # a trainable head stays in the root
     leaves = frozen_leaves(net, blocks, min_params=1000)
     assert leaves == [embed]
-    cfg = ZeroConfig(stage=3, offload_optimizer="cpu", host_memory_budget_bytes=2 * GiB)
     plan = plan_memory(net, blocks, cfg, ranks_per_node=2, device=torch.device("cpu"), gather_bytes=4,
                        leaves=leaves)
-    block = sum(p.numel() for p in blocks[0].parameters())
-    root = sum(p.numel() for p in net.parameters()) - 3 * block - embed.weight.numel()
-    assert dict(plan.host)["gathered parameters: the root group + its largest frozen leaf + 2 blocks"] == (
-        root + embed.weight.numel() + 2 * block) * 4
+    host = dict(plan.host)
+    root_with_head = root + table
+    gathered = host["gathered parameters: the root group + 3 blocks"]
+    assert gathered == (root_with_head + 3 * block) * 4
+    grads = host["unsharded gradients in backward: the root group + 2 blocks"]
+    assert grads == table * 8  # the head's fp32 gradient and its gathered copy
+    assert host.get(EARLY_ROW, 0) == max(0, (root_with_head + table + 2 * block) * 4 - gathered - grads)
     tied = _llama(tie=True)
     tied.requires_grad_(False)
     assert frozen_leaves(tied, select_blocks(tied, wrap_modules=(), wrap_min_params=10**6), min_params=1000) == []
