@@ -4,6 +4,8 @@ steps showing each feature's cross-node saving."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -353,9 +355,9 @@ def _resume_with_feedback(world, tmp):
             for state in kept_comm_states(pl_module):
                 state.kept = None
 
-    def fit(epochs, ckpt=None, callbacks=()):
+    def fit(epochs, ckpt=None, callbacks=(), nodes=NODES):
         seed_everything(0)
-        strategy = ZeroPPStrategy(stage=3, simulated_nodes=NODES, quantize_min_elems=256, wrap_modules=["Block"],
+        strategy = ZeroPPStrategy(stage=3, simulated_nodes=nodes, quantize_min_elems=256, wrap_modules=["Block"],
                                   weight_delta_coding=True, **VARIANTS["zeropp_ef"])
         trainer = Trainer(strategy=strategy, callbacks=list(callbacks),
                           **trainer_kwargs(world, max_steps=-1, max_epochs=epochs))
@@ -373,9 +375,38 @@ def _resume_with_feedback(world, tmp):
     resumed = full_model_state(fit(2, ckpt).lightning_module)
     dropped = full_model_state(fit(2, ckpt, [DropErrors()]).lightning_module)
     same = lambda a, b: a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # noqa: E731
+
+    # The same checkpoint on another node split (4 nodes x 1): the kept state means nothing
+    # there, so it starts afresh and says why; the model is restored exactly and trains on.
+    class AtStart(Callback):
+        model = kept_at_start = None
+
+        def on_train_start(self, trainer, pl_module):
+            self.model = full_model_state(pl_module)
+            self.kept_at_start = [s.kept is not None for s in kept_comm_states(pl_module)]
+
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    comm_log = logging.getLogger("zeropp_strategy.checkpoint.comm_state")
+    level = comm_log.level
+    comm_log.addHandler(handler)
+    comm_log.setLevel(logging.INFO)
+    try:
+        at_start = AtStart()
+        other = fit(2, ckpt, [at_start], nodes=4)
+    finally:
+        comm_log.removeHandler(handler)
+        comm_log.setLevel(level)
+    split = full_model_state(other.lightning_module)
     return {"groups": {name: len(k) for name, k in kept.items()},
             "nonzero": all(bool(e.abs().sum() > 0) for k in kept.values() for e in k),
-            "resumed_equal": same(straight, resumed), "dropped_equal": same(straight, dropped)}
+            "resumed_equal": same(straight, resumed), "dropped_equal": same(straight, dropped),
+            "split": {"said": said, "restored_equal": same(full_model_state(half.lightning_module), at_start.model),
+                      "kept_at_start": at_start.kept_at_start,
+                      "kept_after": [s.kept is not None for s in kept_comm_states(other.lightning_module)],
+                      "max_diff": max((split[k].float() - straight[k].float()).abs().max().item() for k in straight),
+                      "max_abs": max(straight[k].float().abs().max().item() for k in straight)}}
 
 
 def _training_worker(rank, world, steps, tmp):
@@ -468,6 +499,26 @@ def test_resume_restores_the_kept_errors_exactly(training):
         assert r["nonzero"], (rank, r)
         assert r["resumed_equal"], (rank, r)
         assert not r["dropped_equal"], (rank, r)
+
+
+def test_kept_state_starts_afresh_on_another_node_split(training):
+    """The checkpoint of a 2 x 2 run (errors and weight rows kept) resumed as 4 nodes x 1:
+    the model is restored exactly, the kept state starts afresh (rows from
+    the next gather's 16-bit shards; [Note: error feedback in checkpoints]) with one line on
+    rank 0 saying why, the weight rows are kept again by the end, and the run ends near the
+    uninterrupted one (another node split quantizes other partial sums: not bit for bit)."""
+    for rank, out in enumerate(training):
+        r = out["resume"]["split"]
+        assert r["restored_equal"], (rank, r)
+        assert not any(r["kept_at_start"]) and len(r["kept_at_start"]) > 0, (rank, r)
+        assert any(r["kept_after"]), (rank, r)
+        assert r["max_diff"] <= 0.05 * r["max_abs"], (rank, r)
+        if rank == 0:
+            assert len(r["said"]) == 1, r["said"]
+            assert "qwZ weight deltas start again from the 16-bit shards" in r["said"][0], r["said"]
+            assert "kept for 4 ranks as 2 nodes x 2, this run has 4 as 4 x 1" in r["said"][0], r["said"]
+        else:
+            assert r["said"] == [], (rank, r["said"])
 
 
 def test_weight_deltas_train_like_stage3_at_fewer_cross_node_bytes_than_zeropp(training):
