@@ -10,10 +10,13 @@ memory before a single shard exists (8 ranks x 16 GB for an 8B model in bf16). U
 strategy's meta build (``ZeroConfig.meta_init``, engine/meta_init.py), ``from_pretrained``
 here builds the model's skeleton with ``from_config`` on the meta device and remembers the
 folder; after sharding, ``materialize`` (engine/materialize.py) allocates each module's shard and
-fills it from the folder instead of drawing random values: a memory-mapped
-``safetensors`` slice of the rows this rank owns (FSDP2 shards dim 0 in chunks of
-ceil(rows / ranks)), converted to the parameter's dtype, one tensor in flight at a time.
-So a rank's peak is its shard plus one tensor's rows. Tensors the files do not hold (the
+fills it from the folder instead of drawing random values: the rows this rank owns (FSDP2
+shards dim 0 in chunks of ceil(rows / ranks)), read from the ``safetensors`` file at their
+offset into one reused buffer and converted to the parameter's dtype as they are copied
+into the shard, one tensor in flight at a time. So a rank's peak is its shard plus one
+tensor's rows. Positional reads, not a memory map: a mapped file's pages count in the
+rank's resident memory once touched (3 GiB more per rank than its shard at 2.7B,
+docs/pretrained.md), read ones stay in the page cache only. Tensors the files do not hold (the
 rotary caches, non-persistent buffers) are computed by the model's ``_init_weights``; a
 weight tied to another (``lm_head`` to the embedding) is the same parameter and is filled
 once. A frozen weight stored as int8/int4 (``quantize_frozen_weights``) is quantized as its
@@ -30,6 +33,8 @@ Outside a meta build (stage 1, DDP, one process) ``from_pretrained`` is transfor
 from __future__ import annotations
 
 import json
+import math
+import mmap
 import weakref
 from pathlib import Path
 from typing import Any
@@ -44,6 +49,10 @@ __all__ = ["Loads", "PretrainedFolder", "copy_on_materialize", "fill_from_file",
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+_MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit
 # keys old checkpoints carry that current models compute instead (transformers ignores them too)
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -82,12 +91,14 @@ class PretrainedFolder:
                                        "are not read shard by shard")
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.file_of: dict[str, str] = {}
-        self._handles: dict[str, Any] = {}
+        self._entries: dict[str, tuple[torch.dtype, int]] = {}  # key -> (dtype, byte offset in its file)
+        self._files: dict[str, mmap.mmap] = {}  # name -> its mapping, while reading
+        self._last: tuple[mmap.mmap, int, int] | None = None  # the last read's mapping, offset and bytes
         for name in files:
-            handle = self._open(name)
-            for key in handle.keys():
+            for key, (dtype, shape, offset) in self._header(name).items():
                 self.file_of[key] = name
-                self.shapes[key] = tuple(handle.get_slice(key).get_shape())
+                self.shapes[key] = shape
+                self._entries[key] = (dtype, offset)
         if weight_map is not None:
             lost = sorted(k for k, f in weight_map.items() if self.file_of.get(k) != f)
             if lost:
@@ -95,40 +106,72 @@ class PretrainedFolder:
                                  f"hold, first {lost[0]!r} in {weight_map[lost[0]]}",
                                  "re-download or re-save the model: a shard file is incomplete")
 
-    def _open(self, name: str) -> Any:
-        from safetensors import safe_open
-
-        handle = self._handles.get(name)
-        if handle is None:
-            file = self.path / name
-            if not file.is_file():
-                raise MissingPathError(f"from_pretrained({str(self.path)!r}): {name}, named by {INDEX}, is missing",
-                                       "re-download or re-save the model: a shard file is missing")
-            try:
-                handle = safe_open(str(file), framework="pt")
-            except Exception as e:  # safetensors raises its own error types for a bad header
-                raise UsageError(f"from_pretrained({str(self.path)!r}): {name} cannot be read ({e})",
-                                 "re-download or re-save the model: the file is truncated or damaged") from e
-            self._handles[name] = handle
-        return handle
+    def _header(self, name: str) -> dict[str, tuple[torch.dtype, tuple[int, ...], int]]:
+        """The tensors of safetensors file ``name`` (dtype, shape, offset of their bytes),
+        checked against the file's size: a file shorter than its header says fails here,
+        before anything is read."""
+        file = self.path / name
+        if not file.is_file():
+            raise MissingPathError(f"from_pretrained({str(self.path)!r}): {name}, named by {INDEX}, is missing",
+                                   "re-download or re-save the model: a shard file is missing")
+        where, fix = f"from_pretrained({str(self.path)!r}): {name}", "re-download or re-save the model: the file is " \
+            "truncated or damaged"
+        size = file.stat().st_size
+        try:
+            with open(file, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                if not 2 <= n <= min(size - 8, _MAX_HEADER_BYTES):
+                    raise ValueError(f"a header of {n} bytes in a file of {size}")
+                header = json.loads(f.read(n))
+            out = {}
+            for key, entry in header.items():
+                if key == "__metadata__":
+                    continue
+                dtype, shape, (begin, end) = _DTYPES[entry["dtype"]], tuple(entry["shape"]), entry["data_offsets"]
+                if end - begin != math.prod(shape) * dtype.itemsize or 8 + n + end > size:
+                    raise ValueError(f"tensor {key!r} needs bytes {8 + n + begin}-{8 + n + end} of {size}")
+                out[key] = (dtype, shape, 8 + n + begin)
+        except (OSError, ValueError, KeyError, TypeError) as e:  # a bad header, an unknown dtype, a short file
+            raise UsageError(f"{where} cannot be read ({type(e).__name__}: {e})", fix) from e
+        return out
 
     def close(self) -> None:
-        """Unmap the files (read again later, they are opened again). Each rank has read its
-        rows by the end of ``materialize``; the mapped pages would otherwise stay in its RSS
-        for the whole run (7.7 GiB per rank for an 8B model, docs/pretrained.md)."""
-        self._handles.clear()
+        """Unmap the files (read again later, they are mapped again)."""
+        self._release()
+        self._files.clear()
+
+    def _release(self) -> None:
+        """Drop the pages the last ``read`` touched from this rank's resident memory (they stay
+        in the page cache): each rank's RSS holds one tensor's rows of the files at most."""
+        if self._last is not None:
+            mapping, begin, length = self._last
+            first = begin // mmap.PAGESIZE * mmap.PAGESIZE
+            if hasattr(mmap, "MADV_DONTNEED"):  # not on Windows, where the pages stay until close()
+                mapping.madvise(mmap.MADV_DONTNEED, first, begin + length - first)
+            self._last = None
 
     def read(self, key: str, start: int, stop: int) -> torch.Tensor:
-        """Rows ``start:stop`` of tensor ``key`` (a 0-dim tensor whole), in the file's dtype:
-        the caller's ``copy_`` converts while it copies (one pass, no converted temporary)."""
+        """Rows ``start:stop`` of tensor ``key`` (a 0-dim tensor whole), in the file's dtype,
+        a view of the mapped file valid until the next ``read``: the caller's ``copy_``
+        converts while it copies (one pass, no converted temporary). Its pages leave this
+        rank's resident memory at the next ``read`` ([Note: streaming load])."""
+        self._release()
+        dtype, offset = self._entries[key]
+        shape = self.shapes[key]
+        row = math.prod(shape[1:]) * dtype.itemsize
+        rows = stop - start if shape else 1
         name = self.file_of[key]
-        piece = self._open(name).get_slice(key)
-        try:
-            rows = piece[start:stop] if self.shapes[key] else piece[...]
-        except Exception as e:  # a file shorter than its header says
-            raise UsageError(f"from_pretrained({str(self.path)!r}): {name}: tensor {key!r} cannot be read ({e})",
-                             "re-download or re-save the model: the file is truncated or damaged") from e
-        return rows
+        mapping = self._files.get(name)
+        if mapping is None:
+            with open(self.path / name, "rb") as f:  # a private mapping: writable for torch, never written
+                mapping = self._files[name] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        begin = offset + start * row
+        self._last = (mapping, begin, rows * row)
+        out = torch.frombuffer(mapping, dtype=torch.uint8, count=rows * row, offset=begin)
+        if begin % dtype.itemsize:  # a file that does not align its tensors
+            out = out.clone()
+        out = out.view(dtype)
+        return out.view(rows, *shape[1:]) if shape else out.view(())
 
     def check(self, model: nn.Module) -> str:
         """The folder's tensors against ``model`` (a skeleton): every persistent tensor the
@@ -297,7 +340,7 @@ class Loads:
         return [*m._parameters.items(), *m._buffers.items()]
 
     def close(self) -> None:
-        """Every folder read has given this rank its rows: unmap its files."""
+        """Every folder read has given this rank its rows: close its files, free its buffer."""
         for folder, _ in self.by_module.values():
             folder.close()
 
