@@ -290,7 +290,7 @@ def table(res: dict) -> str:
         for r in c["ranks"]:
             nan = float("nan")
             lines.append(f"| {c['mode']} | {r.get('rank', '-')} | {r.get('load_s', nan):.1f} | "
-                         f"{r.get('user_s', nan):.1f} | {r.get('sys_s', nan):.1f} | {r.get('minor_faults', 0)} | "
+                         f"{r.get('user_s', nan):.1f} | {r.get('sys_s', nan):.1f} | {r.get('minor_faults', '-')} | "
                          f"{r['peak_rss'] / gib:.2f} | {r['peak_anon'] / gib:.2f} | {r['VmHWM'] / gib:.2f} |")
     return "\n".join(lines)
 

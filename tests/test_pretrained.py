@@ -114,6 +114,48 @@ def test_a_bad_folder_is_one_line_naming_file_and_tensor(tmp_path: Path, how: st
     assert named in text and str(folder) in text and "Fix:" in text and "\n" not in text, text
 
 
+def test_rows_are_read_as_the_file_holds_them_and_a_bad_header_is_one_line(tmp_path: Path) -> None:
+    """``PretrainedFolder`` reads the safetensors header itself: row ranges (empty ones too),
+    0-dim and unsigned tensors as safetensors gives them; a header that is not a table, a
+    dtype it does not read, offsets outside the file: one line naming the file (and the
+    tensor where there is one), when the folder is opened, not at the first read."""
+    import struct
+    import warnings
+
+    from safetensors.torch import load_file, save_file
+
+    from zeropp_strategy.engine.pretrained import PretrainedFolder
+
+    folder = tmp_path / "f"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    tensors = {"a": torch.arange(12, dtype=torch.float32).view(3, 4).to(torch.bfloat16), "e": torch.zeros(0, 4),
+               "s": torch.tensor(3.5), "u": torch.arange(4).to(torch.uint32)}
+    save_file(tensors, folder / "model.safetensors")
+    want = load_file(folder / "model.safetensors")
+    files = PretrainedFolder(folder)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a read-only mapping, read without a warning
+        assert torch.equal(files.read("a", 1, 3), want["a"][1:3])
+        assert files.read("a", 2, 2).shape == (0, 4) and files.read("e", 0, 0).shape == (0, 4)
+        assert torch.equal(files.read("s", 0, 0), want["s"]) and torch.equal(files.read("u", 0, 4), want["u"])
+    files.close()
+
+    def refused(header: object) -> str:
+        raw = json.dumps(header).encode()
+        (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(64))
+        with pytest.raises(UsageError) as info:
+            PretrainedFolder(folder)
+        text = str(info.value)
+        assert "model.safetensors" in text and "Fix:" in text and "\n" not in text, text
+        return text
+
+    assert "cannot be read" in refused([1, 2])
+    assert "tensor 'x' has dtype F4" in refused({"x": {"dtype": "F4", "shape": [2], "data_offsets": [0, 1]}})
+    assert "tensor 'x'" in refused({"x": {"dtype": "F32", "shape": [2], "data_offsets": [-4, 4]}})
+    assert "tensor 'x'" in refused({"x": {"dtype": "F32", "shape": [200], "data_offsets": [0, 800]}})
+
+
 # -- under the Trainer, 2 ranks ------------------------------------------------------------------
 
 
@@ -170,7 +212,7 @@ def test_under_the_trainer_every_stage_loads_what_from_pretrained_gives(tmp_path
     for rank, out in enumerate(per_rank):
         for stage in stages:
             assert out[stage]["on_meta"] == (stage != "zeropp_stage_1"), (rank, stage)
-            # read into the shards, the files are closed and the read buffer freed
+            # read into the shards, the files are unmapped and no page of them is held
             assert out[stage]["read_from"] == (stage != "zeropp_stage_1"), (rank, stage)
             assert out[stage]["files_open"] == [0] * out[stage]["read_from"], (rank, stage, out[stage])
             got = out[stage]["state"]

@@ -57,8 +57,8 @@ The rows price the first moment, activations included once they are measured. Wh
 second needs more than the first's gathered rows, the plan holds one more row, what the
 embedding's moment needs beyond them less the activations, which that moment does not
 hold (``EARLY_ROW``; ``MemoryPlan.with_activations`` lowers it). Summing the largest gather
-of either moment with all the activations planned 9% and 17% above a Llama-3-8B LoRA
-fine-tune's measured training peaks; the two moments plan -0.1% and +7% (docs/pretrained.md).
+of either moment with all the activations planned 7-17% above a Llama-3-8B LoRA
+fine-tune's training peaks in two runs; the two moments plan -2.5% to +7% (docs/pretrained.md).
 
 ``plan_memory`` computes the terms per rank; ``MemoryPlan.problems`` compares them with
 the budget (``ZeroConfig.host_memory_budget_bytes``, or ``auto``: this machine's available
@@ -354,7 +354,7 @@ def plan_memory(root: nn.Module, blocks: list[nn.Module], plan: Plan, *, ranks_p
                     "the root group + its frozen head + the block prefetched in backward")
             gathered = (root_full + max(blocks_full, with_head)) * gather_bytes
             # codes: the same groups' codes; plus one group's again in the flat all-gather buffer
-            buffer = max(block_codes, head_codes, embed_codes, root_codes)
+            buffer = max(block_codes, head_codes, root_codes)  # the embedding's were replaced by then
             held = n * (root_codes + max(blocks_codes, head_codes + block_codes) + buffer)
             held = held if held > n * buffer else 0  # no codes of those groups: no row
             grads = (root_trainable + 2 * block_trainable) * (esize + gather_bytes)
@@ -364,8 +364,8 @@ def plan_memory(root: nn.Module, blocks: list[nn.Module], plan: Plan, *, ranks_p
                              held))
             host.append(("unsharded gradients in backward: the root group + 2 blocks", grads))
             prefetched = in_flight - 1  # the blocks the root's forward puts in flight beside the embedding
-            early = ((root_full + embed_full + prefetched * block_full) * gather_bytes
-                     + n * (root_codes + embed_codes + prefetched * block_codes + buffer)) if embeds else 0
+            early = ((root_full + embed_full + prefetched * block_full) * gather_bytes + n * (
+                root_codes + embed_codes + prefetched * block_codes + max(buffer, embed_codes))) if embeds else 0
             if early > gathered + held + grads:
                 host.append((EARLY_ROW, early - gathered - held - grads))
         return host, disk

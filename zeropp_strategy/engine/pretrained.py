@@ -11,12 +11,14 @@ strategy's meta build (``ZeroConfig.meta_init``, engine/meta_init.py), ``from_pr
 here builds the model's skeleton with ``from_config`` on the meta device and remembers the
 folder; after sharding, ``materialize`` (engine/materialize.py) allocates each module's shard and
 fills it from the folder instead of drawing random values: the rows this rank owns (FSDP2
-shards dim 0 in chunks of ceil(rows / ranks)), read from the ``safetensors`` file at their
-offset into one reused buffer and converted to the parameter's dtype as they are copied
-into the shard, one tensor in flight at a time. So a rank's peak is its shard plus one
-tensor's rows. Positional reads, not a memory map: a mapped file's pages count in the
-rank's resident memory once touched (3 GiB more per rank than its shard at 2.7B,
-docs/pretrained.md), read ones stay in the page cache only. Tensors the files do not hold (the
+shards dim 0 in chunks of ceil(rows / ranks)), a view of the memory-mapped ``safetensors``
+file converted to the parameter's dtype as it is copied into the shard, one tensor in
+flight at a time. A mapped file's pages count in the rank's resident memory once touched
+(3 GiB more per rank than its shard at 2.7B, docs/pretrained.md), so before reading the
+next tensor the rank tells the kernel it no longer needs the last one's pages
+(``MADV_DONTNEED``; they stay in the page cache). So a rank's peak is its shard plus one
+tensor's rows. The mapping is read-only: a private (copy-on-write) one would be charged
+to the machine's commit limit for the whole file on every rank. Tensors the files do not hold (the
 rotary caches, non-persistent buffers) are computed by the model's ``_init_weights``; a
 weight tied to another (``lm_head`` to the embedding) is the same parameter and is filled
 once. A frozen weight stored as int8/int4 (``quantize_frozen_weights``) is quantized as its
@@ -35,6 +37,7 @@ from __future__ import annotations
 import json
 import math
 import mmap
+import warnings
 import weakref
 from pathlib import Path
 from typing import Any
@@ -50,9 +53,11 @@ __all__ = ["Loads", "PretrainedFolder", "copy_on_materialize", "fill_from_file",
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
-_MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U64": torch.uint64,
+           "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8, "BOOL": torch.bool, "C64": torch.complex64,
+           "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
+           "F8_E5M2FNUZ": torch.float8_e5m2fnuz}
+_MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
 # keys old checkpoints carry that current models compute instead (transformers ignores them too)
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -127,11 +132,18 @@ class PretrainedFolder:
             for key, entry in header.items():
                 if key == "__metadata__":
                     continue
+                if entry["dtype"] not in _DTYPES:
+                    raise UsageError(f"{where}: tensor {key!r} has dtype {entry['dtype']}, which this loader does not "
+                                     f"read", "convert the model to one of " + ", ".join(_DTYPES))
                 dtype, shape, (begin, end) = _DTYPES[entry["dtype"]], tuple(entry["shape"]), entry["data_offsets"]
-                if end - begin != math.prod(shape) * dtype.itemsize or 8 + n + end > size:
-                    raise ValueError(f"tensor {key!r} needs bytes {8 + n + begin}-{8 + n + end} of {size}")
+                if not all(isinstance(d, int) and d >= 0 for d in (*shape, begin, end)) or (
+                        end - begin != math.prod(shape) * dtype.itemsize or 8 + n + end > size):
+                    raise ValueError(f"tensor {key!r}: shape {list(shape)} at bytes {begin}-{end} after the header, "
+                                     f"in a file of {size} bytes")
                 out[key] = (dtype, shape, 8 + n + begin)
-        except (OSError, ValueError, KeyError, TypeError) as e:  # a bad header, an unknown dtype, a short file
+        except UsageError:
+            raise
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # a bad header, a short file
             raise UsageError(f"{where} cannot be read ({type(e).__name__}: {e})", fix) from e
         return out
 
@@ -160,14 +172,18 @@ class PretrainedFolder:
         shape = self.shapes[key]
         row = math.prod(shape[1:]) * dtype.itemsize
         rows = stop - start if shape else 1
+        if rows * row == 0:  # no bytes: frombuffer refuses a count of 0
+            return torch.empty((rows, *shape[1:]) if shape else (), dtype=dtype)
         name = self.file_of[key]
         mapping = self._files.get(name)
         if mapping is None:
-            with open(self.path / name, "rb") as f:  # a private mapping: writable for torch, never written
-                mapping = self._files[name] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            with open(self.path / name, "rb") as f:
+                mapping = self._files[name] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         begin = offset + start * row
         self._last = (mapping, begin, rows * row)
-        out = torch.frombuffer(mapping, dtype=torch.uint8, count=rows * row, offset=begin)
+        with warnings.catch_warnings():  # the view is only ever read (copied from): a read-only mapping is
+            warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)  # what it needs
+            out = torch.frombuffer(mapping, dtype=torch.uint8, count=rows * row, offset=begin)
         if begin % dtype.itemsize:  # a file that does not align its tensors
             out = out.clone()
         out = out.view(dtype)
@@ -340,7 +356,7 @@ class Loads:
         return [*m._parameters.items(), *m._buffers.items()]
 
     def close(self) -> None:
-        """Every folder read has given this rank its rows: close its files, free its buffer."""
+        """Every folder read has given this rank its rows: unmap its files."""
         for folder, _ in self.by_module.values():
             folder.close()
 
