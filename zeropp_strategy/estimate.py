@@ -207,7 +207,7 @@ def model_shape(spec: str, *, lora: int = 0) -> ModelShape:
     (then only those train)."""
     from torch import nn
 
-    from zeropp_strategy.engine.wrap import frozen_leaves, select_blocks
+    from zeropp_strategy.engine.wrap import frozen_leaves, gathered_in_backward, select_blocks
 
     model, name = _meta_model(spec)
     params = sum(p.numel() for p in model.parameters())
@@ -227,7 +227,7 @@ def model_shape(spec: str, *, lora: int = 0) -> ModelShape:
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if lora:  # the base is frozen: at stage 3 an untied embedding and head become groups of their own
         model.requires_grad_(False)
-    leaves = [(sum(p.numel() for p in leaf.parameters()), not isinstance(leaf, nn.Embedding))
+    leaves = [(sum(p.numel() for p in leaf.parameters()), gathered_in_backward(leaf))
               for leaf in frozen_leaves(model, blocks, min_params=min_params)]
     config = getattr(model, "config", None)
     hidden = int(getattr(config, "hidden_size", 0) or 0)

@@ -42,7 +42,8 @@ from zeropp_strategy.cost import ModelShape, leaf_counts
 from zeropp_strategy.engine.frozen import int8_weights, quantize_frozen
 from zeropp_strategy.engine.fsdp_groups import fsdp_modules
 from zeropp_strategy.engine.materialize import materialize
-from zeropp_strategy.engine.wrap import apply_activation_checkpointing, frozen_leaves, select_blocks
+from zeropp_strategy.engine.wrap import (apply_activation_checkpointing, frozen_leaves, gathered_in_backward,
+                                        select_blocks)
 from zeropp_strategy.fsdp_private import set_unshard_async
 from zeropp_strategy.plan import Plan
 
@@ -153,7 +154,7 @@ def model_shape(root: nn.Module, *, wrap_modules: tuple[str, ...], wrap_min_para
         # wrap.py) counts in the root's parameters and is priced as a leaf.
         blocks = [size for group, size in zip(groups, sizes)
                   if group is not root and not getattr(group, "zeropp_frozen_leaf", False)]
-        leaves = [(size, not isinstance(group, nn.Embedding)) for group, size in zip(groups, sizes)
+        leaves = [(size, gathered_in_backward(group)) for group, size in zip(groups, sizes)
                   if getattr(group, "zeropp_frozen_leaf", False)]
     else:  # stage 1: the blocks activation checkpointing would choose
         try:
@@ -257,7 +258,7 @@ def shard_module(
         fully_shard(block, mesh=mesh, reshard_after_forward=block_raf, mp_policy=mp_policy, ignored_params=ignored,
                     offload_policy=offload)
     for leaf in leaves:
-        if isinstance(leaf, nn.Embedding):  # frozen: its backward reads no weight ([Note: frozen leaves])
+        if not gathered_in_backward(leaf):  # frozen: its backward reads no weight ([Note: frozen leaves])
             leaf.set_unshard_in_backward(False)  # type: ignore[operator]
     if hpz_off:
         log.warning(

@@ -280,13 +280,13 @@ def plan_memory(root: nn.Module, blocks: list[nn.Module], plan: Plan, *, ranks_p
     offload, frozen weights and budget; ``ranks_per_node`` share this machine's memory;
     ``gather_bytes`` per element of a gathered parameter."""
     from zeropp_strategy.engine.fsdp import FORWARD_PREFETCH_BLOCKS
+    from zeropp_strategy.engine.wrap import gathered_in_backward
 
     n = plan.world_size
     params = list(root.parameters())
     block_params = [list(b.parameters()) for b in blocks]
-    # a frozen input embedding computes first and is not gathered in backward; a head is
-    embeds = [leaf for leaf in leaves if isinstance(leaf, nn.Embedding)]
-    heads = [leaf for leaf in leaves if not isinstance(leaf, nn.Embedding)]
+    heads = [leaf for leaf in leaves if gathered_in_backward(leaf)]
+    embeds = [leaf for leaf in leaves if not gathered_in_backward(leaf)]
     embed_full = max((_elems(leaf.parameters()) for leaf in embeds), default=0)
     head_full = max((_elems(leaf.parameters()) for leaf in heads), default=0)
     in_blocks = {id(p) for ps in block_params for p in ps} | {id(p) for leaf in leaves for p in leaf.parameters()}

@@ -145,6 +145,13 @@ def frozen_leaves(root: nn.Module, blocks: list[nn.Module], *, min_params: int) 
     return leaves
 
 
+def gathered_in_backward(leaf: nn.Module) -> bool:
+    """Whether a frozen leaf's group ([Note: frozen leaves]) is gathered again in backward:
+    a head is (for the gradient of its input), an embedding is not (its backward reads no
+    weight)."""
+    return not isinstance(leaf, nn.Embedding)
+
+
 def apply_activation_checkpointing(blocks: list[nn.Module]) -> None:
     """Recompute each block's activations in backward instead of storing them.
 
