@@ -67,6 +67,7 @@ destroy a process group still left (spawned ranks do the same, before their own 
 from __future__ import annotations
 
 import importlib
+import logging
 import multiprocessing as mp
 import os
 import pickle
@@ -392,6 +393,17 @@ def _close_pool(*, kill: bool = False) -> None:
     if _POOL is not None:
         _POOL.close(kill=kill)
         _POOL = None
+
+
+class LogLines(logging.Handler):
+    """The messages of the log records it sees (at INFO and above), for a worker to return."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
 
 
 def run_ranks(

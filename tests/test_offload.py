@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests._dist import run_ranks
+from tests._dist import LogLines, run_ranks
 from zeropp_strategy.config import OffloadConfig
 from zeropp_strategy.offload import OffloadOptimizer
 
@@ -361,23 +361,12 @@ def _diff(a, b) -> float:
     return 0.0 if a == b else float("inf")
 
 
-class _Lines(logging.Handler):
-    """The messages of the log records it sees."""
-
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
-
-
 def _parity_worker(rank, world, tmp):
     import zeropp_strategy  # noqa: F401
 
     out = {}
     refs = {}
-    log = _Lines()  # Lightning's rank-zero INFO lines (the engine's `info`)
+    log = LogLines()  # Lightning's rank-zero INFO lines (the engine's `info`)
     logging.getLogger("lightning.pytorch").addHandler(log)
     for name, (stage, kw, impl) in PARITY.items():
         if (stage, impl) not in refs:

@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 
-from tests._dist import run_ranks
+from tests._dist import LogLines, run_ranks
 from zeropp_strategy.presets import PRESETS
 
 pytestmark = pytest.mark.timeout(660)  # its longest run_ranks timeout + 60 s (pyproject's 300 s would cut it)
@@ -385,9 +385,7 @@ def _resume_with_feedback(world, tmp):
             self.model = full_model_state(pl_module)
             self.kept_at_start = [s.kept is not None for s in kept_comm_states(pl_module)]
 
-    said: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    handler = LogLines()
     comm_log = logging.getLogger("zeropp_strategy.checkpoint.comm_state")
     level = comm_log.level
     comm_log.addHandler(handler)
@@ -402,7 +400,7 @@ def _resume_with_feedback(world, tmp):
     return {"groups": {name: len(k) for name, k in kept.items()},
             "nonzero": all(bool(e.abs().sum() > 0) for k in kept.values() for e in k),
             "resumed_equal": same(straight, resumed), "dropped_equal": same(straight, dropped),
-            "split": {"said": said, "restored_equal": same(full_model_state(half.lightning_module), at_start.model),
+            "split": {"said": handler.lines, "restored_equal": same(full_model_state(half.lightning_module), at_start.model),
                       "kept_at_start": at_start.kept_at_start,
                       "kept_after": [s.kept is not None for s in kept_comm_states(other.lightning_module)],
                       "max_diff": max((split[k].float() - straight[k].float()).abs().max().item() for k in straight),
