@@ -84,6 +84,9 @@ VARIANTS = {
     # last gather, the sender's rounding fed back: the zeropp_delta preset (2-bit codes in
     # blocks of 256), and int4 codes in blocks of 64
     "zeropp_delta": {k: v for k, v in PRESETS["zeropp_delta"].items() if k != "stage"},
+    # ... as the preset was until 2026-11-28, with fp32 block scales across nodes
+    "zeropp_delta_fp32_scales": {**{k: v for k, v in PRESETS["zeropp_delta"].items() if k != "stage"},
+                                 "cross_node_scale_bits": 32},
     "zeropp_delta_int4": {**{k: v for k, v in PRESETS["zeropp_4bit"].items() if k != "stage"},
                           "weight_delta_coding": True},
     # the weight path alone (no qgZ): how much of a delta level's loss is its weights'
@@ -204,7 +207,7 @@ def main() -> None:
                          "inter_bytes_by_kind_step1": rec.by_kind})
             if rank0:
                 print(f"{name} seed {seed}: final loss {final_loss(rec.losses):.4f}", flush=True)
-        results[name] = {"runs": runs}
+        results[name] = {"runs": runs, "config": {"stage": 3, "simulated_nodes": 2, **VARIANTS[name]}}  # what ran
         if args.out and rank0:  # after every variant: a run stopped later keeps what it finished
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(results))

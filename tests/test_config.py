@@ -130,6 +130,8 @@ BAD = [  # (kwargs, exception, substring that names the field)
     (dict(peer_timeout=-1), ValueError, "ZeroConfig.peer_timeout=-1"),
     (dict(peer_timeout=float("inf")), ValueError, "ZeroConfig.peer_timeout=inf"),
     (dict(peer_timeout="60"), TypeError, "ZeroConfig.peer_timeout='60'"),
+    (dict(cross_node_scale_bits=8), ValueError, "ZeroConfig.cross_node_scale_bits=8 is invalid: must be 32 or 16"),
+    (dict(cross_node_scale_bits="16"), TypeError, "ZeroConfig.cross_node_scale_bits='16'"),
 ]
 
 
@@ -503,6 +505,7 @@ _FIELD_VALUES = {
     "gradient_error_beta": _mostly(st.one_of(st.floats(-1, 2), st.sampled_from([0, 0.8, 1, float("nan"), True]))),
     "gradient_error_reset_steps": _mostly(st.integers(-2, 4096)),
     "gradient_quant_block_elems": _mostly(st.sampled_from([32, 64, 300])),
+    "cross_node_scale_bits": _mostly(st.sampled_from([16, 32, 8, 64])),
     "quantized_gradients_on_single_node": _mostly(st.booleans()),
     "quantize_min_elems": _mostly(st.integers(-2, 10**6)),
     "quantize_frozen_weights": _mostly(st.booleans()),

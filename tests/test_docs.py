@@ -780,6 +780,13 @@ def test_2bit_gradient_example_runs() -> None:
     assert (config.gradient_quant_bits, config.gradient_quant_bits_intra, config.gradient_error_beta) == (2, 8, 0.0)
 
 
+@covers(("docs/zeropp.md", "# zeropp with bf16 block scales across nodes"))
+def test_bf16_block_scales_example_runs() -> None:
+    """zeropp.md's bf16 block scales example builds the config it shows (its own asserts)."""
+    ns = exec_python(fence("docs/zeropp.md", "# zeropp with bf16 block scales across nodes").body, "zeropp.md")
+    assert ns["strategy"].config.cross_node_scale_bits == 16 and ns["strategy"].config.quantized_gradients
+
+
 @covers(("docs/zeropp.md", "# the trained-weights table"))
 def test_trained_weights_table_script_runs(capsys: pytest.CaptureFixture[str]) -> None:
     """The script behind zeropp.md's block-size table (the MiniLM weights ship with the

@@ -229,6 +229,30 @@ def _triton_cases() -> dict[str, Callable[[], None]]:
                         want = dequant_reduce_quantize_ref(codes, scales, **kw)
                         _assert_equal("reduce", _dev("dequant_reduce_quantize", codes, scales, **kw), want)
 
+    for bits in BITS:
+
+        @case(f"bf16-scales-int{bits}")
+        def _(bits=bits):
+            """Scales rounded up to bf16 before the codes ([Note: quantization conventions]): the
+            same bytes as the reference, for plain blocks, extreme magnitudes and long blocks,
+            and in the fused requantization."""
+            x = _randn("bf16s", 32 * 8)
+            x[0:32] *= 1e-40 / x[0:32].abs().max()  # a subnormal scale
+            x[32:64] *= 3e38 / x[32:64].abs().max()  # near overflow
+            x[64:96] = 0.0
+            x[96:128] = torch.tensor(float(QMAX[bits])) * (1 + 2.0**-9)  # a scale just above a bf16 value
+            for b, xs in ((32, x), (8192, _randn("bf16s-long", 9000))):
+                got = _dev("quantize", xs, b, bits, bf16_scales=True)
+                want = quantize_ref(xs, b, bits, bf16_scales=True)
+                _assert_equal("quantize(bf16_scales)", got, want)
+                assert torch.equal(want[1], want[1].to(torch.bfloat16).float())
+            parts = [quantize_ref(_randn(f"bf16s/{s}", 1000), 32, bits) for s in range(3)]
+            codes, scales = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+            kw = dict(sources=3, numel=1000, block_elems=32, bits=bits, requantize=True, bf16_scales=True)
+            want = dequant_reduce_quantize_ref(codes, scales, **kw)
+            _assert_equal("reduce(bf16_scales)", _dev("dequant_reduce_quantize", codes, scales, **kw), want)
+            assert torch.equal(want[1], want[1].to(torch.bfloat16).float())
+
     @case("user-errors")
     def _():
         from zeropp_strategy.kernels import triton_quant as tq
@@ -370,7 +394,7 @@ def test_ptx_uses_exact_arithmetic():
         "_quantize_kernel",
         {"x_ptr": "*bf16", "order_ptr": "*i64", "codes_ptr": "*i8", "scales_ptr": "*fp32",
          "chunk_elems": "i32", "blocks_per_chunk": "i32", "total_blocks": "i32"},
-        {"HAS_ORDER": False, "QMAX": 127, "BITS": 8} | common,
+        {"HAS_ORDER": False, "QMAX": 127, "BITS": 8, "BF16_SCALES": False} | common,
     )  # fmt: skip
     assert "div.full" not in ptx and "div.approx" not in ptx and "fma." not in ptx
     assert ptx.count("div.rn.f32") >= 16 and ptx.count("add.rn.f32") >= 32
@@ -380,7 +404,7 @@ def test_ptx_uses_exact_arithmetic():
         {"codes_ptr": "*u8", "scales_ptr": "*fp32", "out_codes_ptr": "*u8", "out_scales_ptr": "*fp32",
          "sum_ptr": "*fp32", "numel": "i32", "total_blocks": "i32", "sources": "i32", "codes_per_source": "i32",
          "scales_per_source": "i32"},
-        {"REQUANTIZE": True, "QMAX": 7, "BITS": 4} | common,
+        {"REQUANTIZE": True, "QMAX": 7, "BITS": 4, "BF16_SCALES": True} | common,
     )  # fmt: skip
     assert "div.full" not in ptx and "div.approx" not in ptx and "fma." not in ptx
     assert "mul.rn.f32" in ptx and "div.rn.f32" in ptx

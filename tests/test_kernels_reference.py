@@ -19,6 +19,7 @@ from zeropp_strategy.kernels.reference import (
     dequantize_ref,
     pack_int4,
     quantize_ref,
+    round_up_to_bf16,
     swizzle_quantize_ref,
     unpack_int4,
 )
@@ -45,6 +46,47 @@ def test_error_bound_per_block(dname, block_elems, bits):
     assert bool((err <= bound).all()), float((err - bound).max())
     # the bound is tight: some element uses most of it
     assert float((err / (absmax[:, None] / (2 * QMAX[bits]))).max()) > 0.5
+
+
+@pytest.mark.parametrize("bits", (8, 4, 2))
+def test_bf16_scales_are_rounded_up_and_the_codes_follow_them(bits):
+    """bf16_scales=True ([Note: quantization conventions]): every scale is the smallest bf16
+    value at or above absmax / qmax, the codes are those of that scale (so the payload's bf16
+    scale and its codes agree exactly), and the error bound grows by at most 2^-7."""
+    b, n = 64, 64 * 40 + 7
+    x = _randn(f"bf16-scales-{bits}", n) * torch.logspace(-20, 20, n)
+    codes, scales = quantize_ref(x, b, bits, bf16_scales=True)
+    _, plain = quantize_ref(x, b, bits)
+    assert torch.equal(scales, scales.to(torch.bfloat16).float())
+    assert bool((scales >= plain).all()) and bool((scales <= plain * (1 + 2**-7)).all())
+    below = (scales.view(torch.int32) - 0x10000).view(torch.float32)  # the bf16 value under each
+    assert bool((below[plain > 0] < plain[plain > 0]).all())  # ... is too small: rounded up, not to nearest
+    # the codes are those of the rounded scale: x / scale, rounded half to even
+    xf = torch.nn.functional.pad(x, (0, -n % b)).view(-1, b)
+    want = torch.round(xf / torch.where(scales == 0, 1.0, scales)[:, None]).clamp(-QMAX[bits], QMAX[bits])
+    got = dequantize_ref(codes, torch.ones_like(scales), b, xf.numel(), bits).view(-1, b)
+    assert torch.equal(got, want)
+    err = (x - dequantize_ref(codes, scales, b, n, bits)).abs()
+    bound = torch.nn.functional.pad(xf.abs().amax(dim=1)[:, None].expand(-1, b).reshape(-1), (0, 0))[:n]
+    assert bool((err <= bound * (1 + 2**-7) / (2 * QMAX[bits]) * (1 + 2**-20)).all())
+    # the fused requantization rounds alike
+    q = torch.cat([codes, codes]), torch.cat([scales, scales])
+    c2, s2 = dequant_reduce_quantize_ref(*q, sources=2, numel=n, block_elems=b, bits=bits, bf16_scales=True)
+    assert torch.equal((c2, s2)[1], quantize_ref(2 * dequantize_ref(codes, scales, b, n, bits), b, bits,
+                                                  bf16_scales=True)[1])
+    assert torch.equal(c2, quantize_ref(2 * dequantize_ref(codes, scales, b, n, bits), b, bits, bf16_scales=True)[0])
+
+
+def test_round_up_to_bf16_edges():
+    f = torch.tensor([0.0, 1.0, 1.0 + 2**-8, 1.0 + 2**-23, 3.0e38, 3.4028234e38, 1e-45, float("inf"),
+                      float("nan")])
+    got = round_up_to_bf16(f.clone())
+    assert got[:4].tolist() == [0.0, 1.0, 1.0 + 2**-7, 1.0 + 2**-7]
+    assert got[4] >= 3.0e38 and got[4] < 3.0e38 * (1 + 2**-7)
+    assert got[5] == torch.finfo(torch.bfloat16).max  # the largest finite bf16, not inf
+    assert got[6] == 2.0**-133  # the smallest bf16 subnormal
+    assert got[7] == float("inf") and got[8].isnan()
+    assert torch.equal(got[:8], got[:8].to(torch.bfloat16).float())
 
 
 @pytest.mark.parametrize("bits", BITS)
@@ -127,6 +169,8 @@ def test_int4_pack_layout_and_round_trip():
 )
 def test_quantized_nbytes(numel, block_elems, bits, want):
     assert kernels.quantized_nbytes(numel, block_elems, bits) == want
+    blocks = -(-numel // block_elems)
+    assert kernels.quantized_nbytes(numel, block_elems, bits, scale_bytes=2) == want - 2 * blocks
     if numel:
         codes, scales = quantize_ref(torch.ones(numel), block_elems, bits)
         assert codes.numel() * codes.element_size() + scales.numel() * 4 == want

@@ -16,11 +16,14 @@ WORLD, NODES, B, N = 4, 2, 64, 1001  # N: not a block multiple
 LR = 1e-2  # the change per step of each weight, as AdamW's normalized step gives
 
 
+RUNS = ((4, 32), (2, 32), (2, 16))  # (bits, cross_node_scale_bits): 2 with bf16 scales is the zeropp_delta preset's
+
+
 def _worker(rank, world):
-    return {bits: _gathers(rank, world, bits) for bits in (4, 2)}
+    return {run: _gathers(rank, world, *run) for run in RUNS}
 
 
-def _gathers(rank, world, bits):
+def _gathers(rank, world, bits, scale_bits):
     from zeropp_strategy.comm.hierarchical import NodeGroups, native_all_gather
     from zeropp_strategy.comm.ledger import CommKind, CommLedger
     from zeropp_strategy.comm.zeropp import QuantizedAllGather, WeightDeltas
@@ -34,7 +37,8 @@ def _gathers(rank, world, bits):
     group = meshes.world.get_group()
     nodes = NodeGroups(topo, intra_group=meshes.intra_group, inter_group=meshes.inter_group)
     deltas = WeightDeltas(layout=(NODES, world // NODES))
-    gather = QuantizedAllGather(ledger, topo, block_elems=B, min_elems=0, bits=bits, nodes=nodes, deltas=deltas)
+    gather = QuantizedAllGather(ledger, topo, block_elems=B, min_elems=0, bits=bits, nodes=nodes, deltas=deltas,
+                                scale_bits=scale_bits)
     direct = QuantizedAllGather(ledger, topo, block_elems=B, min_elems=0, bits=4, nodes=nodes)  # int4 of the weights
     g = torch.Generator().manual_seed(rank)
     master = torch.randn(N, generator=g)  # fp32, as the optimizer's
@@ -60,7 +64,9 @@ def _gathers(rank, world, bits):
                                               - before.float()).abs().max().item()
         steps.append({
             "max_err": err.max().item(),
-            "bound": None if change is None else change / QMAX[bits] / 2 + 2.0**-9 * exact.float().abs().max().item(),
+            # (bf16 scales: the scale, so the half step, up to 2^-7 larger)
+            "bound": None if change is None else change / QMAX[bits] / 2 * (1 + 2.0**-7 if scale_bits == 16 else 1)
+            + 2.0**-9 * exact.float().abs().max().item(),
             "same_on_every_rank": all(torch.equal(everyone[0], row) for row in everyone),
             "bytes": (t.intra_bytes, t.inter_bytes),
         })
@@ -68,7 +74,8 @@ def _gathers(rank, world, bits):
             got_direct = torch.empty_like(exact)
             direct(got_direct, shard, group)
             direct_err = (got_direct.float() - exact.float()).abs().max().item()
-    return {"steps": steps, "direct_err": direct_err, "q": quantized_nbytes(N, B, bits), "count": deltas.count}
+    return {"steps": steps, "direct_err": direct_err, "q": quantized_nbytes(N, B, bits, scale_bytes=scale_bits // 8),
+            "count": deltas.count}
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +84,7 @@ def ranks():
 
 
 def _runs(ranks):
-    return [(bits, out[bits]) for out in ranks for bits in (4, 2)]
+    return [(run[0], out[run]) for out in ranks for run in RUNS]
 
 
 def test_first_gather_sends_the_16bit_shards_and_is_exact(ranks):

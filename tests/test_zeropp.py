@@ -150,10 +150,10 @@ def _per_hop_and_feedback(rank, world, topo, meshes, ledger, world_group, B):
     exact = torch.empty(s)
     dist.reduce_scatter_tensor(exact, inp.clone(), op=dist.ReduceOp.SUM, group=world_group)
 
-    def reduce(intra_bits, feedback=None, times=1, bits=4):
+    def reduce(intra_bits, feedback=None, times=1, bits=4, scale_bits=32):
         rs = HierarchicalQuantReduceScatter(
             ledger, topo, intra_group=meshes.intra_group, inter_group=meshes.inter_group, bits=bits, block_elems=B,
-            min_elems=0, intra_bits=intra_bits, feedback=feedback)
+            min_elems=0, intra_bits=intra_bits, feedback=feedback, scale_bits=scale_bits)
         got = []
         for _ in range(times):
             got.append(torch.empty(s))
@@ -169,7 +169,14 @@ def _per_hop_and_feedback(rank, world, topo, meshes, ledger, world_group, B):
     ledger.reset()
     fed2 = reduce(8, ErrorFeedback(beta=0.0, reset_steps=0), times=steps, bits=2)
     t2 = ledger.totals(CommKind.GRAD_REDUCE)
+    ledger.reset()
+    int4_bf16 = reduce(4, scale_bits=16)[0]  # the fused requantization
+    t16 = ledger.totals(CommKind.GRAD_REDUCE)
+    fed16 = reduce(8, ErrorFeedback(beta=0.0, reset_steps=0), times=steps, scale_bits=16)  # the feedback's quantize
     return {
+        "bytes_bf16_scales": (t16.intra_bytes, t16.inter_bytes) == (2 * quantized_nbytes(s, B, 4),
+                                                                     quantized_nbytes(s, B, 4, scale_bytes=2)),
+        "rel_int4_bf16": rel(int4_bf16), "rel_fed16_mean": rel(torch.stack(fed16).mean(0)),
         "bytes": (t.intra_bytes, t.inter_bytes) == (2 * quantized_nbytes(s, B, 8), quantized_nbytes(s, B, 4)),
         "bytes_2bit": (t2.intra_bytes, t2.inter_bytes) == (2 * steps * quantized_nbytes(s, B, 8),
                                                            steps * quantized_nbytes(s, B, 2)),
@@ -239,8 +246,21 @@ def test_qgz_2bit_codes_across_nodes_with_error_feedback(collectives):
         assert h["rel_fed2_mean"] * 2 < h["rel_2bit"] and h["rel_fed2_mean"] < h["rel_int4"], (rank, h)
 
 
-@pytest.mark.parametrize("beta,reset,bits", [(0.0, 0, 4), (0.8, 3, 4), (0.0, 0, 2), (0.8, 3, 2)])
-def test_error_feedback_against_reference(beta, reset, bits):
+def test_qgz_bf16_scales_across_nodes(collectives):
+    """cross_node_scale_bits=16: the cross-node hop books 2 bytes less per block, the error
+    stays that of int4 (the scale is at most 2^-7 coarser: within 5% of the fp32-scale
+    reduction's), and the error feedback still cancels the rounding over steps."""
+    for rank, out in enumerate(collectives):
+        h = out["hops"]
+        assert h["bytes_bf16_scales"], (rank, h)
+        assert h["rel_int4_bf16"] <= 1.05 * h["rel_int4"], (rank, h)
+        assert h["rel_fed16_mean"] * 3 < h["rel_int4_mean"], (rank, h)
+
+
+@pytest.mark.parametrize("beta,reset,bits,bf16",
+                         [(0.0, 0, 4, False), (0.8, 3, 4, False), (0.0, 0, 2, False), (0.8, 3, 2, False),
+                          (0.8, 3, 4, True)])
+def test_error_feedback_against_reference(beta, reset, bits, bf16):
     """ErrorFeedback.quantize equals the rule of [Note: qgZ error feedback], written out
     with the plain kernels, step by step (resets included); with beta = 0 and no reset,
     what was sent sums to the partials' sum minus the last error."""
@@ -255,9 +275,9 @@ def test_error_feedback_against_reference(beta, reset, bits):
         if reset and t and t % reset == 0:
             error.zero_()
         c = p + error
-        codes, scales = quantize(c, B, bits)
+        codes, scales = quantize(c, B, bits, bf16_scales=bf16)
         error = beta * error + (1 - beta) * (c - dequantize(codes, scales, B, n, bits))
-        got_codes, got_scales = ef.quantize(p.clone(), B, bits)
+        got_codes, got_scales = ef.quantize(p.clone(), B, bits, bf16_scales=bf16)
         assert torch.equal(got_codes, codes) and torch.equal(got_scales, scales), t
         torch.testing.assert_close(ef.error, error, rtol=0, atol=1e-6)
         sent_sum = sent_sum + dequantize(codes, scales, B, n, bits)

@@ -237,10 +237,11 @@ class ByteModel:
         if reduce is None:  # the precision's own: fp32 under mixed precision, the parameters' otherwise
             reduce = 2.0 if true_half else 4.0
         block, weight_block = plan.gradient_block_elems, plan.weight_block_elems  # the frozen shards' too
+        across = plan.cross_node_scale_bits / 8  # a scale's bytes in qgZ's cross-node hop and in weight deltas
         return cls(param=param, grad=param, optim=2 * param, gather=gather, reduce=reduce,
-                   qw=plan.weight_bits / 8 + 4 / weight_block,
+                   qw=plan.weight_bits / 8 + (across if plan.weight_delta else 4) / weight_block,
                    frozen=plan.frozen_weight_bits / 8 + 4 / weight_block if plan.frozen_weight_bits else 0.0,
-                   qg_across=plan.gradient_bits / 8 + 4 / block,
+                   qg_across=plan.gradient_bits / 8 + across / block,
                    qg_inside=plan.gradient_bits_inside / 8 + 4 / block)
 
 

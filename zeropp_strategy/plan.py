@@ -76,6 +76,7 @@ class ZeroPPPolicy:
     gradient_error_beta: float
     gradient_error_reset_steps: int
     gradient_quant_block_elems: int
+    cross_node_scale_bits: int
     quantized_gradients_on_single_node: bool
     quantize_min_elems: int
     quantize_frozen_weights: bool
@@ -127,7 +128,7 @@ class Plan:
     ``frozen_weight_bits``:
     frozen weights stored at 8 or 4 bits (0: dense); ``weight_bits``: qwZ's codes (8 or 4; 2
     with weight deltas);
-    ``weight_block_elems`` / ``gradient_block_elems`` / ``quantize_min_elems`` /
+    ``weight_block_elems`` / ``gradient_block_elems`` / ``cross_node_scale_bits`` / ``quantize_min_elems`` /
     ``error_beta`` / ``error_reset_steps``: the collectives' parameters, as configured;
     ``overlap_param_gather``: stage 1's
     post-step gather finishes during the next forward; ``notes``: one line per fallback, saying why;
@@ -163,6 +164,7 @@ class Plan:
     weight_bits: int = 8  # qwZ's codes, when quantized_weights
     weight_block_elems: int = 256  # qwZ's (and the frozen shards') elements per scale
     gradient_block_elems: int = 64  # qgZ's
+    cross_node_scale_bits: int = 32  # each block scale's bits in qgZ's cross-node hop and in weight deltas
     quantize_min_elems: int = 4096  # smaller tensors take the plain collectives
     error_beta: float = 0.8  # error feedback's moving average, when error_feedback
     error_reset_steps: int = 1024  # ... and its reset period (0: never)
@@ -249,9 +251,10 @@ def explain(plan: Plan | None) -> list[str]:
                        "gathered from forward to backward, except a frozen, untied embedding and head, which "
                        "are gathered around their own forward (the head again in backward).")
         lines += [f"Parameters: sharded, 1/{N} of each FSDP group per rank, {held}.{frozen}", gathers]
+        scale = "bf16" if plan.cross_node_scale_bits == 16 else "fp32"  # of qgZ's cross-node hop and weight deltas
         if plan.quantized_weights and plan.weight_delta:
             lines.append(f"qwZ with weight deltas: a gather that spans nodes sends, across nodes, {plan.weight_bits}-bit "
-                         "codes of each shard's change since its last gather (one fp32 scale per block); each rank "
+                         f"codes of each shard's change since its last gather (one {scale} scale per block); each rank "
                          f"adds them to its kept copy (in the gather dtype) of the shards of its local index on every "
                          f"node (1/{L} of the gathered groups, kept between steps), whose rounding the sender feeds "
                          "back into its next change; inside the node that copy is gathered as it is. The first "
@@ -268,7 +271,7 @@ def explain(plan: Plan | None) -> list[str]:
                       else f"int{plan.gradient_bits}")
             lines.append(f"Backward: gradients are reduce-scattered per block in two hops (qgZ): int"
                          f"{plan.gradient_bits_inside} codes inside the node and {across} across "
-                         f"nodes, summed in fp32.{kept} {small}")
+                         f"nodes ({scale} block scales), summed in fp32.{kept} {small}")
         elif plan.quantized_gradients:
             lines.append(f"Backward: gradients are reduce-scattered per block as int{plan.gradient_bits_inside} codes "
                          f"in one hop inside the node (qgZ on a single node), summed in fp32. {small}")
@@ -348,6 +351,7 @@ _AS_CONFIGURED = {
     "weight_bits": "weight_quant_bits",
     "weight_block_elems": "weight_quant_block_elems",
     "gradient_block_elems": "gradient_quant_block_elems",
+    "cross_node_scale_bits": "cross_node_scale_bits",
     "quantize_min_elems": "quantize_min_elems",
     "error_beta": "gradient_error_beta",
     "error_reset_steps": "gradient_error_reset_steps",

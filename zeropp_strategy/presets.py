@@ -20,9 +20,11 @@ PRESETS: dict[str, dict[str, Any]] = {
     "zeropp_4bit": {"stage": 3, "quantized_weights": True, "weight_quant_bits": 4, "weight_quant_block_elems": 64,
                     "hpz_partition_size": 0, "quantized_gradients": True},
     # Beyond ZeRO++: the cross-node weight gathers as 2-bit codes of each shard's change since
-    # the last gather, the sender's rounding fed back (docs/zeropp.md, "Weight deltas").
+    # the last gather, the sender's rounding fed back (docs/zeropp.md, "Weight deltas"), and
+    # every cross-node block scale in bf16 ("bf16 block scales").
     "zeropp_delta": {"stage": 3, "quantized_weights": True, "weight_delta_coding": True, "weight_quant_bits": 2,
-                     "weight_quant_block_elems": 256, "hpz_partition_size": 0, "quantized_gradients": True},
+                     "weight_quant_block_elems": 256, "hpz_partition_size": 0, "quantized_gradients": True,
+                     "cross_node_scale_bits": 16},
     # Offload presets: ZeRO++ with the optimizer step on the host (ZeRO-Offload) and
     # parameter shards resting in host memory; the nvme one keeps optimizer state and
     # parameter shards on NVMe (ZeRO-Infinity), under $ZEROPP_NVME_PATH.

@@ -32,7 +32,8 @@ that stops changing is sent exactly after a few gathers. A step of AdamW moves a
 about lr, so an int4 code of the change is far finer than an int8 code of the weight.
 The first gather, or one after ``kept`` was dropped (a resume without it: the checkpoint's
 kept copies restore it), sends the 16-bit shards in step 1 instead. Bytes per rank: step 1
-(M-1) q(n) across, q(n) = (n_pad b/8 + 4 n_pad / B); step 3 (L-1) M n e inside (qwZ's plain
+(M-1) q(n) across, q(n) = (n_pad b/8 + k n_pad / B), k = 4 (fp32 scales) or 2
+(``ZeroConfig.cross_node_scale_bits=16``: bf16, see [Note: quantization conventions]); step 3 (L-1) M n e inside (qwZ's plain
 path sends q(n) there), against (M-1) n e across for a 16-bit gather. Memory: M n e per
 group per rank, kept between steps (1/L of the gathered parameters, hpZ's secondary size).
 
@@ -53,6 +54,9 @@ The result equals the exact reduction within the bound of two quantizations
 (|err| <= sum of the block half-scales; stated and tested in tests/test_zeropp.py).
 Step 1 may use more bits than step 2 (``ZeroConfig.gradient_quant_bits_intra``): the
 intra-node link is the fast one, and the first quantization's step is then 127/7 = 18x finer.
+Step 2 may send its scales as bf16 (``ZeroConfig.cross_node_scale_bits=16``): 2 bytes less
+per block where bytes are dear; each scale is rounded up to a bf16 value before its codes
+are computed, so the codes and the scale sent agree exactly.
 
 [Note: qgZ error feedback]
 Step 2's quantization error is the one the slow link's bit width sets, and it is the same
@@ -103,9 +107,24 @@ from zeropp_strategy.kernels import (
 from zeropp_strategy.topology import Topology
 
 
-def _pack(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """codes (int8/uint8) + fp32 scales -> one uint8 payload."""
-    return torch.cat([codes.view(torch.uint8).reshape(-1), scales.contiguous().view(torch.uint8).reshape(-1)])
+def _scale_wire(scales: torch.Tensor, scale_bits: int) -> torch.Tensor:
+    """fp32 scales as the bytes a payload sends: as they are, or (``scale_bits=16``) as bf16,
+    exact because ``quantize(..., bf16_scales=True)`` made them bf16 values."""
+    wire = scales.contiguous() if scale_bits == 32 else scales.to(torch.bfloat16)
+    return wire.view(torch.uint8).reshape(-1)
+
+
+def _scales_from_wire(data: torch.Tensor, scale_bits: int) -> torch.Tensor:
+    """The fp32 scales of a payload's scale bytes (``_scale_wire``'s inverse)."""
+    data = data.reshape(-1)
+    if data.storage_offset() % (scale_bits // 8):  # a slice of a row at an odd byte: view needs alignment
+        data = data.clone()
+    return data.view(torch.float32) if scale_bits == 32 else data.view(torch.bfloat16).float()
+
+
+def _pack(codes: torch.Tensor, scales: torch.Tensor, scale_bits: int = 32) -> torch.Tensor:
+    """codes (int8/uint8) + scales (fp32, or bf16 with ``scale_bits=16``) -> one uint8 payload."""
+    return torch.cat([codes.view(torch.uint8).reshape(-1), _scale_wire(scales, scale_bits)])
 
 
 class WeightDeltas:
@@ -142,11 +161,13 @@ class QuantizedAllGather(EmptyAlloc, AllGather):
     """
 
     def __init__(self, ledger: CommLedger, topology: Topology, *, block_elems: int, min_elems: int,
-                 nodes: NodeGroups | None = None, bits: int = 8, deltas: WeightDeltas | None = None) -> None:
+                 nodes: NodeGroups | None = None, bits: int = 8, deltas: WeightDeltas | None = None,
+                 scale_bits: int = 32) -> None:
         self.ledger = ledger
         self.topology = topology
         self.block_elems = block_elems
         self.bits = bits
+        self.scale_bits = scale_bits  # the weight deltas' scales (the plain qwZ gather sends fp32)
         self.min_elems = min_elems
         self.nodes = nodes
         self.deltas = deltas
@@ -201,19 +222,24 @@ class QuantizedAllGather(EmptyAlloc, AllGather):
                 return state.kept
         else:
             kept = state.kept = kept.to(shard.device)  # a no-op but after a load from a checkpoint
-            bits, B = self.bits, self.block_elems
+            bits, B, scale_bits = self.bits, self.block_elems, self.scale_bits
             change = shard.reshape(-1).to(torch.float32, copy=True).sub_(kept[t.node])
-            codes, scales = quantize(change, B, bits)
-            payload = _pack(codes, scales)
+            codes, scales = quantize(change, B, bits, bf16_scales=scale_bits == 16)
+            payload = _pack(codes, scales, scale_bits)
             gathered = torch.empty(M * payload.numel(), dtype=torch.uint8, device=payload.device).view(M, -1)
             self.ledger.record(kind, dict.fromkeys(across_to, payload.numel()),
                                baseline_bytes_to_rank=dict.fromkeys(across_to, n * e))
             work = native_all_gather(gathered.view(-1), payload, nodes.inter_group, async_op=True)
 
             def update() -> torch.Tensor:
+                code_bytes = codes.numel()
                 for m, row in enumerate(kept):  # fp32 sums, rounded once into the gather dtype; a row at a time
-                    dequantize_gathered(gathered[m : m + 1], code_bytes=codes.numel(), numel=n, block_elems=B,
-                                        out=change, bits=bits)
+                    if scale_bits == 32:
+                        dequantize_gathered(gathered[m : m + 1], code_bytes=code_bytes, numel=n, block_elems=B,
+                                            out=change, bits=bits)
+                    else:
+                        dequantize(gathered[m, :code_bytes].view(code_dtype(bits)),
+                                   _scales_from_wire(gathered[m, code_bytes:], 16), B, n, bits, out=change)
                     row.copy_(change.add_(row))
                 return kept
 
@@ -267,7 +293,8 @@ class ErrorFeedback:
     def count(self, value: int) -> None:
         self.reductions = value
 
-    def quantize(self, partials: torch.Tensor, block_elems: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def quantize(self, partials: torch.Tensor, block_elems: int, bits: int, *,
+                 bf16_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Codes and scales of ``partials + error`` (fp32, whole blocks; used as scratch), and
         the error updated with what this quantization dropped."""
         if self.error is None or self.error.shape != partials.shape:
@@ -278,7 +305,7 @@ class ErrorFeedback:
                 self.error.zero_()
         self.reductions += 1
         compensated = partials.add_(self.error)
-        codes, scales = quantize(compensated, block_elems, bits)
+        codes, scales = quantize(compensated, block_elems, bits, bf16_scales=bf16_scales)
         dropped = compensated.sub_(dequantize(codes, scales, block_elems, compensated.numel(), bits))
         self.error.mul_(self.beta).add_(dropped, alpha=1.0 - self.beta)
         return codes, scales
@@ -302,6 +329,7 @@ class HierarchicalQuantReduceScatter(EmptyAlloc, ReduceScatter):
         intra_bits: int | None = None,
         wire_dtype: torch.dtype | None = None,
         feedback: ErrorFeedback | None = None,
+        scale_bits: int = 32,
     ) -> None:
         self.ledger = ledger
         self.topology = topology
@@ -310,6 +338,7 @@ class HierarchicalQuantReduceScatter(EmptyAlloc, ReduceScatter):
         self.bits = bits  # the cross-node hop's
         self.intra_bits = bits if intra_bits is None else intra_bits
         self.feedback = feedback
+        self.scale_bits = scale_bits  # the cross-node hop's scales (the intra-node hop sends fp32)
         self.block_elems = block_elems
         self.min_elems = min_elems
         # The plain fallback (small or non-float tensors), deferred alike, in ZeroConfig.reduce_dtype.
@@ -357,8 +386,9 @@ class HierarchicalQuantReduceScatter(EmptyAlloc, ReduceScatter):
         s_pad = padded_numel(s, B)
         code_bytes = s_pad * bits // 8  # per chunk, across nodes
         code_bytes1 = s_pad * bits1 // 8  # per chunk, within the node
-        scale_bytes = 4 * num_blocks(s, B)
+        scale_bytes = self.scale_bits // 8 * num_blocks(s, B)  # per chunk, across nodes
         chunk_q = code_bytes + scale_bytes
+        bf16_scales = self.scale_bits == 16
         codes_as, codes_as1 = code_dtype(bits), code_dtype(bits1)
 
         # 1. intra-node: destination-major order, the M chunks for local rank l' together.
@@ -380,23 +410,25 @@ class HierarchicalQuantReduceScatter(EmptyAlloc, ReduceScatter):
             # 2. node partials (M chunks), requantized, across nodes to rank (m, l).
             if self.feedback is None and bits1 == bits:  # one fused pass
                 c2, s2 = dequant_reduce_quantize(
-                    src_codes, src_scales, sources=L, numel=M * s_pad, block_elems=B, bits=bits, requantize=True
+                    src_codes, src_scales, sources=L, numel=M * s_pad, block_elems=B, bits=bits, requantize=True,
+                    bf16_scales=bf16_scales,
                 )
             else:  # other bits across, or the kept error added first ([Note: qgZ error feedback])
                 partials = dequant_reduce_quantize(
                     src_codes, src_scales, sources=L, numel=M * s_pad, block_elems=B, bits=bits1, requantize=False
                 )
                 quantizer = quantize if self.feedback is None else self.feedback.quantize
-                c2, s2 = quantizer(partials, B, bits)
+                c2, s2 = quantizer(partials, B, bits, bf16_scales=bf16_scales)
             send2 = torch.cat(
-                [c2.view(torch.uint8).view(M, code_bytes), s2.view(torch.uint8).view(M, scale_bytes)], dim=1
+                [c2.view(torch.uint8).view(M, code_bytes), _scale_wire(s2, self.scale_bits).view(M, scale_bytes)],
+                dim=1,
             )
             recv2 = torch.empty_like(send2)
             self._book(step=2, seg_bytes=chunk_q, out_bytes=0)
             dist.all_to_all_single(recv2, send2.contiguous(), group=inter_group)
             total = dequant_reduce_quantize(
                 recv2[:, :code_bytes].reshape(-1).view(codes_as),
-                recv2[:, code_bytes:].reshape(-1).view(torch.float32),
+                _scales_from_wire(recv2[:, code_bytes:], self.scale_bits),
                 sources=M,
                 numel=s_pad,
                 block_elems=B,

@@ -107,6 +107,14 @@ class ZeroConfig:
     """Elements per qgZ quantization block: a power of two in 32..65536. 64 by measurement: at
     256, int4 gradients left a 200-step GPT-2 run 5.5% above plain stage 3 in loss; at 64 within
     1% (docs/zeropp.md, "Block size")."""
+    cross_node_scale_bits: int = 32
+    """Bits of each block's scale in the payloads that cross nodes: qgZ's cross-node hop and
+    ``weight_delta_coding``'s gathers. 32 (fp32) or 16 (bf16: each scale rounded up to a bf16
+    value before its block's codes are computed, so the codes agree exactly with the scale
+    sent; the rounding step grows by at most 2^-7). 16 saves 2 bytes per block: 5.6% of
+    int4 gradients in blocks of 64, 3% of 2-bit deltas in blocks of 256. The
+    ``zeropp_delta`` preset sets 16 (docs/zeropp.md, "bf16 block scales"). No effect
+    without ``quantized_gradients`` or ``weight_delta_coding``."""
     quantized_gradients_on_single_node: bool = False
     """Use qgZ even when all ranks share one node (by default it falls back to the plain
     reduce-scatter there: quantizing costs time and saves no slow-link bytes)."""
@@ -207,6 +215,10 @@ class ZeroConfig:
             put(name, _at_least(f"{w}.{name}", getattr(self, name), low, fix))
         for name in ("weight_quant_block_elems", "gradient_quant_block_elems"):
             put(name, _block_elems(f"{w}.{name}", getattr(self, name)))
+        scale_bits = self.cross_node_scale_bits
+        if _int(f"{w}.cross_node_scale_bits", scale_bits, _SCALE_BITS_FIX) not in (16, 32):
+            _invalid(f"{w}.cross_node_scale_bits", scale_bits, "must be 32 or 16", _SCALE_BITS_FIX)
+        put("cross_node_scale_bits", int(scale_bits))
         for name, fix in _BITS_FIELDS.items():
             if name == "gradient_quant_bits_intra" and self.gradient_quant_bits_intra is None:
                 continue
@@ -427,6 +439,8 @@ _BITS_FIELDS = {  # field (4 or 8) -> fix
                                  "when that is 4 or 8)",
     "frozen_weight_bits": "use 8 (int8, the default) or 4 (int4: half the bytes, a coarser step)",
 }
+_SCALE_BITS_FIX = ("use 32 (fp32 scales, ZeRO++'s) or 16 (bf16 scales: 2 bytes less per block across nodes, the "
+                   "rounding step at most 2^-7 coarser)")
 _INT_MINIMUMS = {  # field -> (smallest valid value, fix)
     "hpz_partition_size": (0, "use 1 to turn hpZ off, 0 for ranks per node, or the number of ranks per node"),
     "quantize_min_elems": (0, "use 0 to quantize every tensor, or e.g. 4096"),

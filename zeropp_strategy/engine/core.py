@@ -146,6 +146,7 @@ class ZeroEngine:
                     self.ledger, topo, block_elems=plan.weight_block_elems, min_elems=plan.quantize_min_elems,
                     nodes=self.nodes, bits=plan.weight_bits,
                     deltas=WeightDeltas(layout=(topo.num_nodes, topo.ranks_per_node)) if plan.weight_delta else None,
+                    scale_bits=plan.cross_node_scale_bits,
                 )
 
             all_gather = quantized_gather
@@ -169,6 +170,7 @@ class ZeroEngine:
                     feedback=ErrorFeedback(beta=plan.error_beta, reset_steps=plan.error_reset_steps,
                                            layout=(topo.num_nodes, topo.ranks_per_node))
                     if self.plan.error_feedback else None,
+                    scale_bits=plan.cross_node_scale_bits,
                 )
 
             reduce_scatter = quantized_reduce_scatter

@@ -122,15 +122,18 @@ def _triton():
     return triton_quant
 
 
-def quantize(x: torch.Tensor, block_elems: int, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(
+    x: torch.Tensor, block_elems: int, bits: int = 8, *, bf16_scales: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x (any shape, float) -> (codes, scales): codes int8 [padded] (bits=8) or uint8
     [padded // 2] (bits=4, two per byte), scales fp32 [num_blocks]; padded = numel rounded up
-    to whole blocks."""
+    to whole blocks. ``bf16_scales``: every scale rounded up to a bf16 value before the codes
+    are computed, for a payload that sends it in 2 bytes ([Note: quantization conventions])."""
     check_quant_args(block_elems, bits)
     check_input(x)
     if _on_triton(x, bits):
-        return _triton().quantize_triton(x, block_elems, bits)
-    return quantize_ref(x, block_elems, bits)
+        return _triton().quantize_triton(x, block_elems, bits, bf16_scales=bf16_scales)
+    return quantize_ref(x, block_elems, bits, bf16_scales=bf16_scales)
 
 
 def dequantize(
@@ -215,16 +218,15 @@ def dequant_reduce_quantize(
     block_elems: int,
     bits: int = 8,
     requantize: bool = True,
+    bf16_scales: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
     """``sources`` quantized copies of a numel-element tensor, back to back -> their fp32 sum
-    (added in source order), requantized to (codes, scales), or the fp32 sum itself when
-    ``requantize`` is False."""
+    (added in source order), requantized to (codes, scales) (``bf16_scales`` as in
+    ``quantize``), or the fp32 sum itself when ``requantize`` is False."""
     check_quant_args(block_elems, bits)
     check_quantized(codes, scales, block_elems, numel, bits, sources=sources)
+    kw = dict(sources=sources, numel=numel, block_elems=block_elems, bits=bits, requantize=requantize,
+              bf16_scales=bf16_scales)
     if _on_triton(codes, bits):
-        return _triton().dequant_reduce_quantize_triton(
-            codes, scales, sources=sources, numel=numel, block_elems=block_elems, bits=bits, requantize=requantize
-        )
-    return dequant_reduce_quantize_ref(
-        codes, scales, sources=sources, numel=numel, block_elems=block_elems, bits=bits, requantize=requantize
-    )
+        return _triton().dequant_reduce_quantize_triton(codes, scales, **kw)
+    return dequant_reduce_quantize_ref(codes, scales, **kw)

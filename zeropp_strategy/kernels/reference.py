@@ -17,6 +17,14 @@ the oracle for the Triton kernels.
   element 4i + k in bits 2k..2k+1, each stored as ``code + 2`` (1..3). 2-bit codes have no
   Triton kernel: this torch path runs them on every device.
 - Error bound per element: |x - dequant(quant(x))| <= scale / 2 = absmax(block) / (2 qmax).
+- bf16 scales (``bf16_scales=True``, for payloads that send each scale in 2 bytes): the
+  scale is rounded *up* to the next bf16 value before the codes are computed
+  (``round_up_to_bf16``), so |x / scale| <= qmax still holds, the codes agree exactly with
+  the scale that is sent, and the bound becomes absmax(block) (1 + 2^-7) / (2 qmax). The
+  scales stay fp32 tensors (whose values are bf16 values): a payload converts them to bf16
+  and back without loss. Edges: a scale above bf16's largest finite value is capped there
+  (2-bit codes of values above 3.39e38 only; |x / scale| <= 1.004 still rounds to +-1), and
+  a subnormal scale rounds up to bf16's subnormal step (2^-133), outside the relative bound.
 
 [Note: fast CPU reference]
 The functions here are the specification and, on CPU, the hot path of every qwZ/qgZ
@@ -77,10 +85,26 @@ def num_blocks(numel: int, block_elems: int) -> int:
     return -(-numel // block_elems)
 
 
-def quantized_nbytes(numel: int, block_elems: int, bits: int) -> int:
-    """Bytes on the wire for ``numel`` elements: codes plus one fp32 scale per block."""
+def quantized_nbytes(numel: int, block_elems: int, bits: int, scale_bytes: int = 4) -> int:
+    """Bytes on the wire for ``numel`` elements: codes plus one scale per block (fp32: 4
+    bytes; bf16 scales: 2)."""
     n = padded_numel(numel, block_elems)
-    return n * bits // 8 + 4 * num_blocks(numel, block_elems)
+    return n * bits // 8 + scale_bytes * num_blocks(numel, block_elems)
+
+
+_BF16_MAX_BITS = 0x7F7F0000  # the largest finite bf16, as fp32 bits
+
+
+def round_up_to_bf16(scales: torch.Tensor) -> torch.Tensor:
+    """Round non-negative fp32 ``scales`` up, in place, to the nearest bf16 value at or above
+    them (the largest finite bf16 at most); NaN and inf stay as they are. Exact on the bit
+    pattern: adding 0xFFFF and clearing the low 16 bits moves a positive float to the next
+    multiple of its bf16 ulp, carrying into the exponent where the mantissa overflows."""
+    bits_ = scales.view(torch.int32)
+    finite = bits_.bitwise_and(0x7F800000) != 0x7F800000
+    up = bits_.add(0xFFFF).bitwise_and_(-0x10000).clamp_(max=_BF16_MAX_BITS)
+    bits_.copy_(torch.where(finite, up, bits_))
+    return scales
 
 
 # -- chunked pieces (see [Note: fast CPU reference]) -------------------------------------------
@@ -90,8 +114,9 @@ class _Scratch:
     """Per-call scratch for up to ``rows`` blocks of ``block_elems``: fp32 values, int8 codes
     and int16 byte pairs (the last two for int4 only)."""
 
-    def __init__(self, rows: int, block_elems: int, bits: int, device: torch.device) -> None:
+    def __init__(self, rows: int, block_elems: int, bits: int, device: torch.device, bf16_scales: bool) -> None:
         n = rows * block_elems
+        self.bf16_scales = bf16_scales
         self.y = torch.empty(n, dtype=torch.float32, device=device)
         # qmax as a tensor on the device: torch's CUDA division by a Python scalar multiplies
         # by its rounded reciprocal, which moves a scale by an ulp now and then (seen on an
@@ -111,8 +136,8 @@ def _chunk_rows(block_elems: int) -> int:
     return max(1, _CHUNK_ELEMS // block_elems)
 
 
-def _scratch(total_rows: int, block_elems: int, bits: int, device: torch.device) -> _Scratch:
-    return _Scratch(min(max(total_rows, 1), _chunk_rows(block_elems)), block_elems, bits, device)
+def _scratch(total_rows: int, block_elems: int, bits: int, device: torch.device, bf16_scales: bool = False) -> _Scratch:
+    return _Scratch(min(max(total_rows, 1), _chunk_rows(block_elems)), block_elems, bits, device, bf16_scales)
 
 
 def _quantize_rows(src: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bits: int, sc: _Scratch) -> None:
@@ -125,6 +150,8 @@ def _quantize_rows(src: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
         src = y.copy_(src)
     torch.maximum(src.amax(dim=1), src.amin(dim=1).neg_(), out=scales)
     scales.abs_().div_(sc.qmax)  # abs: all -0.0 gives +0.0, as abs().amax() does
+    if sc.bf16_scales:
+        round_up_to_bf16(scales)
     safe = torch.where(scales == 0, 1.0, scales)  # NaN stays NaN: amin() below sees it
     torch.div(src, safe[:, None], out=y)
     y.round_()
@@ -202,17 +229,19 @@ def _empty_quantized(
 # -- the reference functions -------------------------------------------------------------------
 
 
-def quantize_ref(x: torch.Tensor, block_elems: int, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_ref(
+    x: torch.Tensor, block_elems: int, bits: int = 8, *, bf16_scales: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x (any shape, float) -> (codes, scales).
 
     codes: int8 [padded] for bits=8, uint8 [padded // 2] (packed) for bits=4.
-    scales: fp32 [num_blocks].
+    scales: fp32 [num_blocks] (bf16 values with ``bf16_scales``, see [Note: quantization conventions]).
     """
     if bits not in QMAX:
         raise ValueError(f"bits={bits} is not supported. Fix: use 8, 4 or 2.")
     flat = x.reshape(-1)
     codes, scales = _empty_quantized(flat.numel(), block_elems, bits, 1, flat.device)
-    sc = _scratch(num_blocks(flat.numel(), block_elems), block_elems, bits, flat.device)
+    sc = _scratch(num_blocks(flat.numel(), block_elems), block_elems, bits, flat.device, bf16_scales)
     _quantize_flat_into(flat, codes, scales, block_elems, bits, sc)
     return codes, scales
 
@@ -342,9 +371,11 @@ def dequant_reduce_quantize_ref(
     block_elems: int,
     bits: int,
     requantize: bool = True,
+    bf16_scales: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
     """``sources`` quantized copies of a ``numel``-element tensor, back to back -> their fp32
-    sum, requantized (or returned as fp32 when ``requantize`` is False).
+    sum, requantized (or returned as fp32 when ``requantize`` is False); ``bf16_scales``
+    applies to the requantization.
 
     Chunk by chunk: the sum of a chunk's blocks over all sources is requantized while it is
     still in cache. The sum is in source order (see [Note: fast CPU reference])."""
@@ -353,7 +384,7 @@ def dequant_reduce_quantize_ref(
     src_codes = [codes[s * per_codes : (s + 1) * per_codes] for s in range(sources)]
     src_scales = [scales[s * per_scales : (s + 1) * per_scales] for s in range(sources)]
     nb, full = num_blocks(numel, b), numel // b
-    sc = _scratch(nb, b, bits, codes.device)
+    sc = _scratch(nb, b, bits, codes.device, bf16_scales)
     acc = torch.empty(min(max(nb, 1), _chunk_rows(b)) * b, dtype=torch.float32, device=codes.device)
     if requantize:
         out_codes, out_scales = _empty_quantized(numel, b, bits, 1, codes.device)

@@ -88,8 +88,13 @@ def _codes(x, scale, QMAX: tl.constexpr):
 
 
 @triton.jit
-def _scale_of(absmax, QMAX: tl.constexpr):
-    return tl.math.div_rn(absmax, tl.full(absmax.shape, QMAX, tl.float32))
+def _scale_of(absmax, QMAX: tl.constexpr, BF16_SCALES: tl.constexpr):
+    scale = tl.math.div_rn(absmax, tl.full(absmax.shape, QMAX, tl.float32))
+    if BF16_SCALES:  # reference.round_up_to_bf16, on the bit pattern
+        b = scale.to(tl.int32, bitcast=True)
+        up = tl.minimum((b + 0xFFFF) & -0x10000, 0x7F7F0000)
+        scale = tl.where((b & 0x7F800000) != 0x7F800000, up, b).to(tl.float32, bitcast=True)
+    return scale
 
 
 @triton.jit
@@ -156,6 +161,7 @@ def _quantize_kernel(
     BLOCK_ELEMS: tl.constexpr,
     ROWS: tl.constexpr,
     W: tl.constexpr,
+    BF16_SCALES: tl.constexpr,
 ):
     blk = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # (ROWS,) output blocks
     row_ok = blk < total_blocks
@@ -171,14 +177,14 @@ def _quantize_kernel(
 
     if W == BLOCK_ELEMS:  # whole blocks in registers: read once
         x = _load_x(x_ptr, src0, valid, row_ok, 0, W)
-        scale = _scale_of(tl.max(tl.abs(x), axis=1), QMAX)
+        scale = _scale_of(tl.max(tl.abs(x), axis=1), QMAX, BF16_SCALES)
         _store_codes(codes_ptr, e0, row_ok, _codes(x, scale, QMAX), ROWS, W, BITS)
     else:  # ROWS == 1, a long block: absmax pass, then codes pass
         absmax = tl.zeros([ROWS], dtype=tl.float32)
         for c0 in range(0, BLOCK_ELEMS, W):
             x = _load_x(x_ptr, src0, valid, row_ok, c0, W)
             absmax = tl.maximum(absmax, tl.max(tl.abs(x), axis=1))
-        scale = _scale_of(absmax, QMAX)
+        scale = _scale_of(absmax, QMAX, BF16_SCALES)
         for c0 in range(0, BLOCK_ELEMS, W):
             x = _load_x(x_ptr, src0, valid, row_ok, c0, W)
             _store_codes(codes_ptr, e0 + c0, row_ok, _codes(x, scale, QMAX), ROWS, W, BITS)
@@ -191,7 +197,7 @@ def _tile(block_elems: int) -> tuple[int, int]:
     return _TILE_ELEMS // w, w
 
 
-def _launch_quantize(x_flat, order, n_slots, chunk_elems, block_elems, bits):
+def _launch_quantize(x_flat, order, n_slots, chunk_elems, block_elems, bits, bf16_scales=False):
     bpc = num_blocks(chunk_elems, block_elems)
     total = n_slots * bpc
     code_elems = total * block_elems * bits // 8
@@ -205,17 +211,19 @@ def _launch_quantize(x_flat, order, n_slots, chunk_elems, block_elems, bits):
             x_flat, order if order is not None else x_flat, codes, scales,
             chunk_elems, bpc, total,
             HAS_ORDER=order is not None, QMAX=QMAX[bits], BITS=bits, BLOCK_ELEMS=block_elems,
-            ROWS=rows, W=w, num_warps=_NUM_WARPS, enable_fp_fusion=False,
+            ROWS=rows, W=w, BF16_SCALES=bf16_scales, num_warps=_NUM_WARPS, enable_fp_fusion=False,
         )  # fmt: skip
     return codes, scales
 
 
-def quantize_triton(x: torch.Tensor, block_elems: int, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_triton(
+    x: torch.Tensor, block_elems: int, bits: int = 8, *, bf16_scales: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as ``quantize_ref``: x (any shape, float) -> (codes, scales fp32 [nb])."""
     check_quant_args(block_elems, bits)
     check_input(x)
     flat = x.reshape(-1).contiguous()
-    return _launch_quantize(flat, None, 1, flat.numel(), block_elems, bits)
+    return _launch_quantize(flat, None, 1, flat.numel(), block_elems, bits, bf16_scales)
 
 
 def swizzle_quantize_triton(
@@ -335,6 +343,7 @@ def _dequant_reduce_quantize_kernel(
     BLOCK_ELEMS: tl.constexpr,
     ROWS: tl.constexpr,
     W: tl.constexpr,
+    BF16_SCALES: tl.constexpr,
 ):
     blk = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_ok = blk < total_blocks
@@ -348,7 +357,7 @@ def _dequant_reduce_quantize_kernel(
     elif W == BLOCK_ELEMS:  # whole blocks in registers: sum once
         acc = _sum_sources(codes_ptr, scales_ptr, blk, e0, row_ok, numel, sources,
                            codes_per_source, scales_per_source, ROWS, W, BITS)  # fmt: skip
-        scale = _scale_of(tl.max(tl.abs(acc), axis=1), QMAX)
+        scale = _scale_of(tl.max(tl.abs(acc), axis=1), QMAX, BF16_SCALES)
         _store_codes(out_codes_ptr, e0, row_ok, _codes(acc, scale, QMAX), ROWS, W, BITS)
         tl.store(out_scales_ptr + blk, scale, mask=row_ok)
     else:  # a long block: sum twice (absmax, then codes) rather than spill the fp32 sum
@@ -357,7 +366,7 @@ def _dequant_reduce_quantize_kernel(
             acc = _sum_sources(codes_ptr, scales_ptr, blk, e0 + c0, row_ok, numel, sources,
                                codes_per_source, scales_per_source, ROWS, W, BITS)  # fmt: skip
             absmax = tl.maximum(absmax, tl.max(tl.abs(acc), axis=1))
-        scale = _scale_of(absmax, QMAX)
+        scale = _scale_of(absmax, QMAX, BF16_SCALES)
         for c0 in range(0, BLOCK_ELEMS, W):
             acc = _sum_sources(codes_ptr, scales_ptr, blk, e0 + c0, row_ok, numel, sources,
                                codes_per_source, scales_per_source, ROWS, W, BITS)  # fmt: skip
@@ -374,6 +383,7 @@ def dequant_reduce_quantize_triton(
     block_elems: int,
     bits: int,
     requantize: bool = True,
+    bf16_scales: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
     """Same contract as ``dequant_reduce_quantize_ref``: ``sources`` quantized copies back to
     back -> their fp32 sum (in source order), requantized with the same block_elems and bits,
@@ -399,7 +409,7 @@ def dequant_reduce_quantize_triton(
                 codes.contiguous(), scales.contiguous(), out_codes, out_scales, out_sum,
                 numel, total, sources, codes_per, scales_per,
                 REQUANTIZE=requantize, QMAX=QMAX[bits], BITS=bits, BLOCK_ELEMS=block_elems,
-                ROWS=rows, W=w, num_warps=_NUM_WARPS, enable_fp_fusion=False,
+                ROWS=rows, W=w, BF16_SCALES=bf16_scales, num_warps=_NUM_WARPS, enable_fp_fusion=False,
             )  # fmt: skip
     return (out_codes, out_scales) if requantize else out_sum
 
