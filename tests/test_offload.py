@@ -379,6 +379,12 @@ def _parity_worker(rank, world, tmp):
         if store:
             store.flush()  # the last step's write-behind
         resident_after = store.resident_bytes() if store else 0  # before _full reads every shard
+        # what a read-ahead may keep mapped: the thread leaves a region that was asked for again
+        # after it was queued ([Note: write-behind]), up to `prefetch` groups (seen once in many
+        # runs: 8 pages after the fit; _residency_worker checks 0 after each step, where no
+        # gather comes between the step and the flush)
+        read_ahead = store.prefetch * max(sum(r.length for r in regions) for regions in
+                                          store._group_regions.values()) if store else 0
         full = _full(t)
         ref = refs[(stage, impl)]
         stats = t.strategy.memory_stats()
@@ -387,6 +393,7 @@ def _parity_worker(rank, world, tmp):
             "param_disk": store.disk_bytes() if store else 0,
             "grads_on_nvme": store.grads_on_nvme if store else None,
             "param_resident_after": resident_after,
+            "read_ahead_bytes": read_ahead,
             "model": _diff(ref[0], full[0]),
             "optim": _diff(ref[1]["state"], full[1]["state"]),
             "lr": full[1]["param_groups"][0]["lr"],
@@ -640,7 +647,7 @@ def test_every_offload_mode_trains_like_no_offload(tmp_path):
             if PARITY[name][1].get("offload_optimizer") == "nvme":
                 assert r["offloaded"][1] > 0, r
             if PARITY[name][1].get("offload_param") == "nvme":
-                assert r["param_disk"] > 0 and r["param_resident_after"] == 0, r
+                assert r["param_disk"] > 0 and r["param_resident_after"] <= r["read_ahead_bytes"], r
             _check_offload_lines(rank, name, r)
     assert list(tmp_path.iterdir()) == []
 
