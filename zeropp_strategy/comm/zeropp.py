@@ -234,12 +234,8 @@ class QuantizedAllGather(EmptyAlloc, AllGather):
             def update() -> torch.Tensor:
                 code_bytes = codes.numel()
                 for m, row in enumerate(kept):  # fp32 sums, rounded once into the gather dtype; a row at a time
-                    if scale_bits == 32:
-                        dequantize_gathered(gathered[m : m + 1], code_bytes=code_bytes, numel=n, block_elems=B,
-                                            out=change, bits=bits)
-                    else:
-                        dequantize(gathered[m, :code_bytes].view(code_dtype(bits)),
-                                   _scales_from_wire(gathered[m, code_bytes:], 16), B, n, bits, out=change)
+                    dequantize(gathered[m, :code_bytes].view(code_dtype(bits)),
+                               _scales_from_wire(gathered[m, code_bytes:], scale_bits), B, n, bits, out=change)
                     row.copy_(change.add_(row))
                 return kept
 
