@@ -323,7 +323,7 @@ def test_triton_cuda_matches_reference(name, monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 4, 2])
 def test_reference_cuda_matches_cpu(bits):
     """The torch reference on CUDA writes the CPU's bytes: the same data-dependent divisions
     (torch's CUDA division by a Python scalar is a reciprocal multiply, which moved scales by

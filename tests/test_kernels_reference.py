@@ -17,6 +17,7 @@ from zeropp_strategy.kernels.reference import (
     QMAX,
     dequant_reduce_quantize_ref,
     dequantize_ref,
+    half_step,
     pack_int4,
     quantize_ref,
     round_up_to_bf16,
@@ -41,11 +42,11 @@ def test_error_bound_per_block(dname, block_elems, bits):
     xf = torch.nn.functional.pad(x.double(), (0, -n % block_elems)).view(-1, block_elems)
     absmax = xf.abs().amax(dim=1)
     assert torch.allclose(scales.double(), absmax / QMAX[bits], rtol=2**-23, atol=0)
-    bound = (absmax / (2 * QMAX[bits]))[:, None] * (1 + 2**-20) + xf.abs() * 2**-22
+    bound = (absmax * half_step(bits))[:, None] * (1 + 2**-20) + xf.abs() * 2**-22
     err = torch.nn.functional.pad(err, (0, -n % block_elems)).view(-1, block_elems)
     assert bool((err <= bound).all()), float((err - bound).max())
     # the bound is tight: some element uses most of it
-    assert float((err / (absmax[:, None] / (2 * QMAX[bits]))).max()) > 0.5
+    assert float((err / (absmax[:, None] * half_step(bits))).max()) > 0.5
 
 
 @pytest.mark.parametrize("bits", (8, 4, 2))
@@ -61,14 +62,15 @@ def test_bf16_scales_are_rounded_up_and_the_codes_follow_them(bits):
     assert bool((scales >= plain).all()) and bool((scales <= plain * (1 + 2**-7)).all())
     below = (scales.view(torch.int32) - 0x10000).view(torch.float32)  # the bf16 value under each
     assert bool((below[plain > 0] < plain[plain > 0]).all())  # ... is too small: rounded up, not to nearest
-    # the codes are those of the rounded scale: x / scale, rounded half to even
+    # the codes are those of the rounded scale: x / scale, rounded half to even (2 bits: to the nearest odd level)
     xf = torch.nn.functional.pad(x, (0, -n % b)).view(-1, b)
-    want = torch.round(xf / torch.where(scales == 0, 1.0, scales)[:, None]).clamp(-QMAX[bits], QMAX[bits])
+    y = xf / torch.where(scales == 0, 1.0, scales)[:, None]
+    want = (2 * torch.floor(y / 2) + 1).clamp(-3, 3) if bits == 2 else torch.round(y).clamp(-QMAX[bits], QMAX[bits])
     got = dequantize_ref(codes, torch.ones_like(scales), b, xf.numel(), bits).view(-1, b)
     assert torch.equal(got, want)
     err = (x - dequantize_ref(codes, scales, b, n, bits)).abs()
     bound = torch.nn.functional.pad(xf.abs().amax(dim=1)[:, None].expand(-1, b).reshape(-1), (0, 0))[:n]
-    assert bool((err <= bound * (1 + 2**-7) / (2 * QMAX[bits]) * (1 + 2**-20)).all())
+    assert bool((err <= bound * (1 + 2**-7) * half_step(bits) * (1 + 2**-20)).all())
     # the fused requantization rounds alike
     q = torch.cat([codes, codes]), torch.cat([scales, scales])
     c2, s2 = dequant_reduce_quantize_ref(*q, sources=2, numel=n, block_elems=b, bits=bits, bf16_scales=True)
@@ -114,21 +116,29 @@ def test_zero_block_has_zero_scale_and_codes():
 @pytest.mark.parametrize("block_elems", (32, 256))
 @pytest.mark.parametrize("dname", list(DTYPES))
 def test_2bit_codes_layout_bound_and_every_op(dname, block_elems):
-    """2-bit codes (qwZ's weight deltas): four per byte, element 4i + k in bits 2k..2k+1 as
-    code + 2; codes -1/0/+1 of absmax, each within half a step (absmax / 2) of its value;
-    the torch path on every device, the other ops take them as they take int4."""
-    codes, scales = quantize_ref(torch.tensor([1.0, -1.0, 0.0, 0.5] + [0.0] * 28), 32, 2)
-    assert codes.tolist()[0] == 3 | (1 << 2) | (2 << 4) | (2 << 6) and scales.tolist() == [1.0]  # 0.5 -> 0: to even
+    """2-bit codes (qwZ's weight deltas, 2-bit gradients across nodes): four per byte,
+    element 4i + k in bits 2k..2k+1 as (level + 3) / 2; levels -3/-1/+1/+3 of absmax / 3,
+    each within one scale (absmax / 3, half the two-scale step) of its value; the torch
+    path on every device, the other ops take them as they take int4."""
+    x4 = torch.tensor([3.0, -3.0, 0.0, -1.5, 2.0, -2.0, 1.9, -0.1] + [0.0] * 24)
+    codes, scales = quantize_ref(x4, 32, 2)
+    assert scales.tolist() == [1.0]
+    # levels 3, -3, 1 (0: a tie goes up), -1; 3 (2: up), -1 (-2: up), 1, -1; stored as (level + 3) / 2
+    assert codes.tolist()[:2] == [3 | (0 << 2) | (2 << 4) | (1 << 6), 3 | (1 << 2) | (2 << 4) | (1 << 6)]
+    assert dequantize_ref(codes, scales, 32, 8, 2).tolist() == [3.0, -3.0, 1.0, -1.0, 3.0, -1.0, 1.0, -1.0]
     n = 1000
     x = _randn(f"2bit-{dname}-{block_elems}", n, DTYPES[dname])
     codes, scales = kernels.quantize(x, block_elems, 2)
     assert codes.dtype == torch.uint8 and codes.numel() == -(-n // block_elems) * block_elems // 4
     xf = torch.nn.functional.pad(x.float(), (0, codes.numel() * 4 - n)).view(-1, block_elems)
-    assert torch.equal(scales, xf.abs().amax(dim=1))
+    assert torch.allclose(scales, xf.abs().amax(dim=1) / 3, rtol=2**-23, atol=0)
     y = kernels.dequantize(codes, scales, block_elems, n, 2)
     padded = torch.nn.functional.pad(y, (0, codes.numel() * 4 - n)).view(-1, block_elems)
-    assert bool(((padded - xf).abs() <= scales[:, None] / 2).all())
-    assert set(torch.unique(padded / scales[:, None]).tolist()) <= {-1.0, 0.0, 1.0}
+    err = (padded - xf).abs()
+    assert bool((err <= scales[:, None] * (1 + 2**-20)).all())
+    assert float((err / scales[:, None]).max()) > 0.9  # the bound is tight
+    levels = (padded / scales[:, None]).reshape(-1)[:n]  # F.pad's zeros past n are no level
+    assert set(torch.unique(levels.round()).tolist()) == {-3.0, -1.0, 1.0, 3.0}
     sums = dequant_reduce_quantize_ref(torch.cat([codes, codes]), torch.cat([scales, scales]), sources=2, numel=n,
                                        block_elems=block_elems, bits=2, requantize=False)
     assert torch.equal(sums, 2 * y)

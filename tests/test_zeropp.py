@@ -167,8 +167,11 @@ def _per_hop_and_feedback(rank, world, topo, meshes, ledger, world_group, B):
     plain4 = reduce(4, times=steps)
     fed = reduce(8, ErrorFeedback(beta=0.0, reset_steps=0), times=steps)
     ledger.reset()
-    fed2 = reduce(8, ErrorFeedback(beta=0.0, reset_steps=0), times=steps, bits=2)
+    feedback2 = ErrorFeedback(beta=0.0, reset_steps=0)
+    fed2 = reduce(8, feedback2, times=steps, bits=2)
     t2 = ledger.totals(CommKind.GRAD_REDUCE)
+    s_pad = -(-s // B) * B  # 2-bit codes decode padding to a level: none of it may be kept as error
+    pad_error = feedback2.error.view(topo.num_nodes, s_pad)[:, s:]
     ledger.reset()
     int4_bf16 = reduce(4, scale_bits=16)[0]  # the fused requantization
     t16 = ledger.totals(CommKind.GRAD_REDUCE)
@@ -181,6 +184,7 @@ def _per_hop_and_feedback(rank, world, topo, meshes, ledger, world_group, B):
         "bytes_2bit": (t2.intra_bytes, t2.inter_bytes) == (2 * steps * quantized_nbytes(s, B, 8),
                                                            steps * quantized_nbytes(s, B, 2)),
         "rel_2bit": rel(fed2[0]), "rel_fed2_mean": rel(torch.stack(fed2).mean(0)),
+        "padding_kept": (s_pad - s, int(pad_error.count_nonzero())),
         "rel_int4": rel(plain4[0]), "rel_mixed": rel(mixed),
         "rel_int4_mean": rel(torch.stack(plain4).mean(0)), "rel_fed_mean": rel(torch.stack(fed).mean(0)),
         "fed_first_equals_mixed": torch.equal(fed[0], mixed),
@@ -237,11 +241,12 @@ def test_qgz_error_feedback_cancels_the_rounding_over_steps(collectives):
 
 def test_qgz_2bit_codes_across_nodes_with_error_feedback(collectives):
     """gradient_quant_bits=2 (feedback required): the cross-node hop books a quarter of int8's
-    codes; one reduction is coarse (a ternary code per element), but the mean of 8 comes
+    codes; one reduction is coarse (one of four levels per element), but the mean of 8 comes
     within int4's single-step error, since what each step drops is sent with the next."""
     for rank, out in enumerate(collectives):
         h = out["hops"]
         assert h["bytes_2bit"], (rank, h)
+        assert h["padding_kept"][0] > 0 and h["padding_kept"][1] == 0, (rank, h)  # padded, and no error kept there
         assert h["rel_2bit"] > h["rel_int4"], (rank, h)
         assert h["rel_fed2_mean"] * 2 < h["rel_2bit"] and h["rel_fed2_mean"] < h["rel_int4"], (rank, h)
 
@@ -276,7 +281,9 @@ def test_error_feedback_against_reference(beta, reset, bits, bf16):
             error.zero_()
         c = p + error
         codes, scales = quantize(c, B, bits, bf16_scales=bf16)
-        error = beta * error + (1 - beta) * (c - dequantize(codes, scales, B, n, bits))
+        # beta * error + (1 - beta) * dropped, in the implementation's float order: the next
+        # block scales are compared bit for bit, and a 2-bit code rounds even a block's largest value
+        error = (error * beta).add_(c - dequantize(codes, scales, B, n, bits), alpha=1 - beta)
         got_codes, got_scales = ef.quantize(p.clone(), B, bits, bf16_scales=bf16)
         assert torch.equal(got_codes, codes) and torch.equal(got_scales, scales), t
         torch.testing.assert_close(ef.error, error, rtol=0, atol=1e-6)

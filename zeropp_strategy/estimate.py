@@ -256,8 +256,8 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
 }
 NOT_RECOMMENDED = {"zeropp_4bit": "its loss ended 9.5% above stage 3's in our 200-step benchmark (docs/zeropp.md, "
                                    "\"4-bit weight gathers\")",
-                   "zeropp_delta": "its loss ended 6% above stage 3's over 6 seeds of our 200-step benchmark, zeropp's "
-                                   "1% below (docs/zeropp.md, \"bf16 block scales\")"}
+                   "zeropp_delta": "its loss ended 0.7% above stage 3's over 6 seeds of our 200-step benchmark (the "
+                                   "worst seed 6.3% above), zeropp's 1% below (docs/zeropp.md, \"Four levels\")"}
 """Rows shown but never recommended on their own, with the reason the recommendation names."""
 FROZEN_CONFIGS: dict[str, dict[str, Any]] = {
     "zeropp + frozen int8": {**CONFIGS["zeropp"], "quantize_frozen_weights": True},  # type: ignore[dict-item]

@@ -267,7 +267,7 @@ def explain(plan: Plan | None) -> list[str]:
         if plan.quantized_gradients and M > 1:
             kept = (" Each rank keeps the cross-node hop's quantization error and adds it to its next reduction "
                     "(error feedback)." if plan.error_feedback else "")
-            across = ("2-bit codes (-1/0/+1 times the block's largest value)" if plan.gradient_bits == 2
+            across = ("2-bit codes (-3/-1/+1/+3 times a third of the block's largest value)" if plan.gradient_bits == 2
                       else f"int{plan.gradient_bits}")
             lines.append(f"Backward: gradients are reduce-scattered per block in two hops (qgZ): int"
                          f"{plan.gradient_bits_inside} codes inside the node and {across} across "

@@ -68,7 +68,8 @@ of its node partials' shape (M chunks of s: 1/L of the group's gradient) and sen
     e <- beta e + (1 - beta) (c - deQ(q))
 LoCo's moving average of the errors (beta = ``gradient_error_beta``; 0 is the classic error
 feedback, where the sum of what was sent over T steps equals the sum of the partials up to
-the last step's error alone: ``sum deQ(q_t) = sum p_t - e_T``). ``e`` is zeroed every
+the last step's error alone: ``sum deQ(q_t) = sum p_t - e_T``, on the real elements: the
+padding of 2-bit codes, which have no zero level, decodes to one level and keeps no error). ``e`` is zeroed every
 ``gradient_error_reset_steps`` reductions of the group (LoCo's reset_T; 0 = never; a
 reduction is one reduce-scatter, i.e. one per micro-batch when gradients are synchronized
 on every micro-batch). The ranks' weights cannot diverge: qgZ reduces only over the whole
@@ -415,6 +416,8 @@ class HierarchicalQuantReduceScatter(EmptyAlloc, ReduceScatter):
                 )
                 quantizer = quantize if self.feedback is None else self.feedback.quantize
                 c2, s2 = quantizer(partials, B, bits, bf16_scales=bf16_scales)
+                if self.feedback is not None and s_pad > s:  # 2-bit codes have no zero: padding sends level +1,
+                    self.feedback.error.view(M, s_pad)[:, s:] = 0.0  # which no receiver reads; keep none of it
             send2 = torch.cat(
                 [c2.view(torch.uint8).view(M, code_bytes), _scale_wire(s2, self.scale_bits).view(M, scale_bytes)],
                 dim=1,

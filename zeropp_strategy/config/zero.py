@@ -62,7 +62,8 @@ class ZeroConfig:
     weight_quant_bits: int = 8
     """Bits per qwZ code: 8, or 4 (two codes per byte: with blocks of 64, 0.56 bytes per
     gathered element against int8's 1.02, a rounding step 127/7 = 18x coarser), or, with
-    ``weight_delta_coding`` only, 2 (four codes per byte, -1/0/+1 times the block's scale).
+    ``weight_delta_coding`` only, 2 (four codes per byte, the levels -3/-1/+1/+3 times a third of
+    the block's largest value).
     Only the gathers that cross nodes are quantized; the ``zeropp_4bit`` preset sets 4 with
     blocks of 64 (docs/zeropp.md, "4-bit weight gathers"). No effect without
     ``quantized_weights``."""
@@ -84,8 +85,8 @@ class ZeroConfig:
     """qgZ: hierarchical quantized gradient reduce-scatter (intra-node, then inter-node). Stage 2 or 3."""
     gradient_quant_bits: int = 4
     """Bits per quantized gradient element in qgZ: 4 or 8, or, with ``gradient_error_feedback``
-    only, 2 (four codes per byte, -1/0/+1 times the block's largest value; the intra-node hop
-    then needs ``gradient_quant_bits_intra``). The cross-node hop always uses it; the
+    only, 2 (four codes per byte, the levels -3/-1/+1/+3 times a third of the block's largest
+    value; the intra-node hop then needs ``gradient_quant_bits_intra``). The cross-node hop always uses it; the
     intra-node hop too unless ``gradient_quant_bits_intra`` says otherwise."""
     gradient_quant_bits_intra: int | None = None
     """Bits of qgZ's first hop, inside the node (4 or 8); None = ``gradient_quant_bits``. 8 here

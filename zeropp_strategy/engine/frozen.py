@@ -391,7 +391,7 @@ def quantize_frozen(
 
     Meta-device parameters are converted too (their codes are meta tensors); they are
     initialized, and so quantized, when the strategy materializes the sharded model."""
-    if bits not in (8, 4):  # 2-bit codes are for qwZ's weight deltas only
+    if bits not in (8, 4):  # 2-bit codes are for what crosses nodes with its rounding fed back
         raise ValueError(f"bits={bits} is not supported for frozen weights. Fix: use 8 or 4.")
     kernels.check_quant_args(block_elems, bits)  # before any parameter is replaced
     chosen, dense = frozen_int8_candidates(module, shard_world_size=shard_world_size, min_elems=min_elems)

@@ -26,7 +26,8 @@ tests/test_kernels.py), so which one a rank used never changes what its peers re
 triton is imported on first Triton dispatch only, so this package imports without it.
 
 Arguments are checked the same way on both paths, before any kernel runs: ``bits`` is 8, 4
-or 2 (2-bit codes, for qwZ's weight deltas, run the torch path on every device),
+or 2 (2-bit codes, for qwZ's weight deltas and 2-bit gradients across nodes, run the torch
+path on every device),
 ``block_elems`` a power of two in 32..65536 (what the kernels support and what ZeroConfig
 accepts), codes are int8 (bits=8) or uint8 (bits=4, 2) with fp32 scales, and the buffers cover
 ``numel``. So a call that works on CPU also works on a GPU, and a wrong buffer is an error
@@ -126,7 +127,8 @@ def quantize(
     x: torch.Tensor, block_elems: int, bits: int = 8, *, bf16_scales: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x (any shape, float) -> (codes, scales): codes int8 [padded] (bits=8) or uint8
-    [padded // 2] (bits=4, two per byte), scales fp32 [num_blocks]; padded = numel rounded up
+    [padded // 2] (bits=4, two per byte) or [padded // 4] (bits=2, four levels, torch path
+    only), scales fp32 [num_blocks]; padded = numel rounded up
     to whole blocks. ``bf16_scales``: every scale rounded up to a bf16 value before the codes
     are computed, for a payload that sends it in 2 bytes ([Note: quantization conventions])."""
     check_quant_args(block_elems, bits)

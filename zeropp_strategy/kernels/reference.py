@@ -5,26 +5,35 @@ the oracle for the Triton kernels.
 
 [Note: quantization conventions]
 - Symmetric, one fp32 scale per block of ``block_elems`` consecutive elements of the
-  flattened input; the last block is zero-padded (padding quantizes to code 0).
+  flattened input; the last block is zero-padded (padding quantizes to code 0 at 8 and 4
+  bits, to the level +1 at 2 bits; every consumer drops it).
 - int8: ``qmax = 127``; int4: ``qmax = 7`` (codes -7..7; -8 is never produced, so the
-  range is symmetric and dequantization needs no zero point); 2 bits: ``qmax = 1``
-  (codes -1, 0, 1: for qwZ's weight deltas only, whose sender feeds the rounding back).
-- ``scale = absmax(block) / qmax`` computed in fp32; an all-zero block has scale 0 and
-  codes 0. ``code = round_half_to_even(x / scale)`` (torch.round; Triton uses
-  ``rint``, the same IEEE rounding), clamped to [-qmax, qmax].
+  range is symmetric and dequantization needs no zero point); 2 bits: ``qmax = 3`` and
+  four levels without zero, -3, -1, +1, +3 times the scale (for qwZ's weight deltas and
+  the cross-node hop of 2-bit gradients, whose senders feed the rounding back: a level
+  of zero would waste one of the four, and its step would be 1.5x coarser).
+- ``scale = absmax(block) / qmax`` computed in fp32; an all-zero block has scale 0 (and
+  dequantizes to zeros). At 8 and 4 bits ``code = round_half_to_even(x / scale)``
+  (torch.round; Triton uses ``rint``, the same IEEE rounding), clamped to [-qmax, qmax];
+  an all-zero block has codes 0. At 2 bits the level is the odd integer nearest
+  ``x / scale``, ``2 floor(x / (2 scale)) + 1`` (a tie, an even ``x / scale``, goes up),
+  clamped to [-3, 3].
 - int4 packing: two codes per uint8, element 2i in the low nibble and 2i+1 in the high
   nibble, each stored as ``code + 8`` (0..15). 2-bit packing: four codes per uint8,
-  element 4i + k in bits 2k..2k+1, each stored as ``code + 2`` (1..3). 2-bit codes have no
-  Triton kernel: this torch path runs them on every device.
-- Error bound per element: |x - dequant(quant(x))| <= scale / 2 = absmax(block) / (2 qmax).
+  element 4i + k in bits 2k..2k+1, each stored as ``(level + 3) / 2`` (0..3). 2-bit codes
+  have no Triton kernel: this torch path runs them on every device.
+- Error bound per element: half a step, |x - dequant(quant(x))| <= absmax(block) / (2 qmax)
+  at 8 and 4 bits, absmax(block) / 3 (one scale: levels are two scales apart) at 2 bits.
 - bf16 scales (``bf16_scales=True``, for payloads that send each scale in 2 bytes): the
   scale is rounded *up* to the next bf16 value before the codes are computed
   (``round_up_to_bf16``), so |x / scale| <= qmax still holds, the codes agree exactly with
-  the scale that is sent, and the bound becomes absmax(block) (1 + 2^-7) / (2 qmax). The
-  scales stay fp32 tensors (whose values are bf16 values): a payload converts them to bf16
-  and back without loss. Edges: a scale above bf16's largest finite value is capped there
-  (2-bit codes of values above 3.39e38 only; |x / scale| <= 1.004 still rounds to +-1), and
-  a subnormal scale rounds up to bf16's subnormal step (2^-133), outside the relative bound.
+  the scale that is sent, and the bound grows by the factor (1 + 2^-7). The scales stay
+  fp32 tensors (whose values are bf16 values): a payload converts them to bf16 and back
+  without loss. Edges: a subnormal scale rounds up to bf16's subnormal step (2^-133),
+  outside the relative bound; in a block whose absmax is within 2^-7 of fp32's largest
+  value (above about 3.38e38), ``qmax`` times the rounded-up scale can overflow, and those codes
+  then dequantize to +-inf (no scale reaches bf16's largest finite value, where
+  ``round_up_to_bf16`` would cap it: absmax / qmax <= fp32's largest / 3).
 
 [Note: fast CPU reference]
 The functions here are the specification and, on CPU, the hot path of every qwZ/qgZ
@@ -58,7 +67,14 @@ from __future__ import annotations
 
 import torch
 
-QMAX = {8: 127, 4: 7, 2: 1}
+QMAX = {8: 127, 4: 7, 2: 3}
+
+
+def half_step(bits: int) -> float:
+    """The error bound per element as a fraction of its block's absmax ([Note: quantization
+    conventions]): half a step, 1 / (2 qmax) with a level at every integer, 1 / 3 at 2 bits
+    (odd levels, two scales apart)."""
+    return 1 / 3 if bits == 2 else 1 / (2 * QMAX[bits])
 
 
 def code_dtype(bits: int) -> torch.dtype:
@@ -112,7 +128,7 @@ def round_up_to_bf16(scales: torch.Tensor) -> torch.Tensor:
 
 class _Scratch:
     """Per-call scratch for up to ``rows`` blocks of ``block_elems``: fp32 values, int8 codes
-    and int16 byte pairs (the last two for int4 only)."""
+    (int4 and 2 bits) and int16 byte pairs (int4 only)."""
 
     def __init__(self, rows: int, block_elems: int, bits: int, device: torch.device, bf16_scales: bool) -> None:
         n = rows * block_elems
@@ -154,17 +170,22 @@ def _quantize_rows(src: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
         round_up_to_bf16(scales)
     safe = torch.where(scales == 0, 1.0, scales)  # NaN stays NaN: amin() below sees it
     torch.div(src, safe[:, None], out=y)
-    y.round_()
+    if bits == 2:
+        y.mul_(0.5).floor_()  # f, of the odd level 2f + 1 nearest y; stored as f + 2
+        lo, hi = -2, 1
+    else:
+        y.round_()
+        lo, hi = -qmax, qmax
     # a subnormal or NaN scale: clamp and zero as specified (no-ops otherwise; on a GPU always,
     # since reading the minimum back would stall the host: 2-bit codes run here on every device)
     if y.device.type != "cpu" or not float(safe.amin()) >= _TINY:
-        y.clamp_(-qmax, qmax)
+        y.clamp_(lo, hi)
         y[~(scales > 0)] = 0.0
     if bits == 8:
         codes.view(rows, b).copy_(y)
         return
     if bits == 2:
-        four = sc.i8[: rows * b].copy_(y.view(-1)).add_(2).view(torch.uint8).view(-1, 4)  # 1..3
+        four = sc.i8[: rows * b].copy_(y.view(-1)).add_(2).view(torch.uint8).view(-1, 4)  # 0..3
         packed = torch.bitwise_left_shift(four[:, 3], 6)
         for k in (2, 1):
             packed.bitwise_or_(torch.bitwise_left_shift(four[:, k], 2 * k))
@@ -187,7 +208,7 @@ def _dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, y: torch.Tensor,
         four = sc.i8[: rows * b].view(-1, 4)
         for k in range(4):
             four[:, k].copy_(torch.bitwise_right_shift(codes, 2 * k).bitwise_and_(3))
-        y.copy_(four.view(rows, b).sub_(2))
+        y.copy_(four.view(rows, b).mul_(2).sub_(3))  # the level: 2 (f + 2) - 3
     else:
         w = sc.w16[: codes.numel()].copy_(codes)  # packed byte p -> 0x00pp
         w.bitwise_or_(torch.bitwise_left_shift(w, 4, out=sc.w16b[: w.numel()])).bitwise_and_(0x0F0F)
@@ -234,7 +255,8 @@ def quantize_ref(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x (any shape, float) -> (codes, scales).
 
-    codes: int8 [padded] for bits=8, uint8 [padded // 2] (packed) for bits=4.
+    codes: int8 [padded] for bits=8, uint8 [padded // 2] (packed) for bits=4, uint8
+    [padded // 4] for bits=2.
     scales: fp32 [num_blocks] (bf16 values with ``bf16_scales``, see [Note: quantization conventions]).
     """
     if bits not in QMAX:
