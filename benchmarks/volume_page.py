@@ -306,8 +306,53 @@ def _rounds(data: dict) -> int:
     return max((len(r) for r in data.get("runs", {}).values()), default=0)
 
 
+def _ratio_row(system: str, c: dict, refs: list[dict]) -> str:
+    """A table row: the cell's step (median and range), its ratio to each reference cell
+    that ran, its veth bytes and loss; or why it has none."""
+    if "step_s" not in c:
+        return f"| {system} | {c.get('error') or c.get('skipped') or 'not run'} |" + " |" * (len(refs) + 2)
+    ratios = [f"{c['step_s'] / r['step_s']:.2f}x" if "step_s" in r else "-" for r in refs]
+    return f"| {system} | {_runs(c)} | {' | '.join(ratios)} | {c['veth_bytes_per_step'] / MB:.2f} | {c['loss']:.4f} |"
+
+
+def _delta_lines(results_dir: Path) -> list[str]:
+    """The section of the --part delta_* runs (issue 35: the zeropp_delta preset at 50 and
+    200 Mbit/s, beside zeropp, DeepSpeed ZeRO-3 and DDP), from their JSON when all exist."""
+    parts = ("delta_50mbit", "delta_unlimited", "delta_200mbit")
+    paths = [results_dir / PART_FILES[part] for part in parts]
+    if not all(path.exists() for path in paths):
+        return []
+    slow, free, mid = (json.loads(path.read_text()) for path in paths)
+    cell = lambda data, key: data["cells"].get(key, {})  # noqa: E731
+    lines = ["", "## Beyond ZeRO++: `zeropp_delta` at 50 and 200 Mbit/s (issue 35)", "",
+             "The `zeropp_delta` preset (weight deltas in 2-bit codes, bf16 block scales; docs/zeropp.md, \"Weight "
+             "deltas\") beside `zeropp`, on the cluster and model of the suite above, bf16-mixed. Commands (as root; "
+             "the last needs deepspeed): " + ", ".join(f"`{d['meta']['command']} --repeat {_rounds(d)}`"
+                                                      for d in (slow, free, mid)) + ". Runs: "
+             + ", ".join(f"{d['meta']['date']} at {d['meta']['commit']}" for d in (slow, free, mid))
+             + f". Hardware: {mid['meta']['hardware']}. Each cell ran once per round; the median and the range "
+             "of the runs are shown.", "",
+             "| system | 50 Mbit/s step s | unlimited step s | 50 Mbit/s / unlimited | cross-node MB/step at 50 "
+             "Mbit/s (veth) | loss after 16 steps |", "|---|---|---|---:|---:|---:|"]
+    for system in PARTS["delta_unlimited"][2]:
+        a, b = cell(slow, f"50mbit/small/{system}"), cell(free, f"unlimited/small/{system}")
+        ratio = f"{a['step_s'] / b['step_s']:.2f}x" if "step_s" in a and "step_s" in b else "-"
+        lines.append(f"| {system} | {_runs(a) if 'step_s' in a else '-'} | {_runs(b) if 'step_s' in b else '-'} | "
+                     f"{ratio} | {(a or b).get('veth_bytes_per_step', 0) / MB:.2f} | {b.get('loss', 0):.4f} |")
+    refs = {name: cell(mid, key) for name, key in (("DeepSpeed ZeRO-3", "200mbit/small/deepspeed_zero3"),
+                                                    ("zeropp", "200mbit/small/zeropp"),
+                                                    ("DDP, no link limit", "unlimited/small/ddp"))}
+    lines += ["", "| system at 200 Mbit/s | step s | " + " | ".join(f"vs {name}" for name in refs)
+              + " | cross-node MB/step (veth) | loss |", "|---|---|---:|---:|---:|---:|---:|"]
+    for system, key in (("ddp (no link limit)", "unlimited/small/ddp"), ("deepspeed_zero3", "200mbit/small/deepspeed_zero3"),
+                        ("zeropp", "200mbit/small/zeropp"), ("zeropp_delta", "200mbit/small/zeropp_delta")):
+        lines.append(_ratio_row(system, cell(mid, key), list(refs.values())))
+    return lines + ["", "Targets and what limits them on 2 cores: docs/zeropp.md, \"Weight deltas\"."]
+
+
 def render_parts(results_dir: Path) -> list[str]:
-    """The sections of --part stage1 and --part sizes, from their JSON when it exists."""
+    """The sections of --part stage1, --part sizes and the --part delta_* runs, from their
+    JSON when it exists."""
     lines: list[str] = []
     for part, title in (("stage1", "Stage 1 against DDP at 200 Mbit/s: the post-step gather overlapped"),
                         ("sizes", "Step time for two model sizes at 1 Gbit/s")):
@@ -375,11 +420,5 @@ def render_parts(results_dir: Path) -> list[str]:
             ref = {name: cells.get(f"{rate}/{size}/{name}", {})
                    for name in ("ddp", "zeropp_stage_3", "deepspeed_zero3")}
             for system in PARTS["sizes"][2]:
-                c = cells.get(f"{rate}/{size}/{system}", {})
-                if "step_s" not in c:
-                    lines.append(f"| {system} | {c.get('error') or c.get('skipped') or 'not run'} | | | | | |")
-                    continue
-                ratios = [f"{c['step_s'] / r['step_s']:.2f}x" if "step_s" in r else "-" for r in ref.values()]
-                lines.append(f"| {system} | {_runs(c)} | {' | '.join(ratios)} | "
-                             f"{c['veth_bytes_per_step'] / MB:.2f} | {c['loss']:.4f} |")
-    return lines
+                lines.append(_ratio_row(system, cells.get(f"{rate}/{size}/{system}", {}), list(ref.values())))
+    return lines + _delta_lines(results_dir)

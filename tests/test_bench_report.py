@@ -227,3 +227,38 @@ def test_pretrained_bit_check_passes_equal_shards_only():
     other = {"mode": "plain", "ranks": [{"digests": {**plain["ranks"][0]["digests"], "w": ["x", "y"]}}]}
     assert not P.compare_digests([plain, ranks(), other])["plain"]["equal_bit_for_bit"]  # plain disagrees with itself
     assert "error" in P.compare_digests([plain])  # nothing to compare with it
+
+
+def test_volume_page_renders_the_delta_parts_side_by_side(tmp_path):
+    """issue 35's section: both delta tables once all three parts have run, ratios against
+    the cells of the same part, and a DeepSpeed that did not run named, not dropped."""
+    from benchmarks.volume_cells import PART_FILES
+    from benchmarks.volume_page import _delta_lines
+
+    def part(rate, cells):
+        meta = {"command": f"python benchmarks/volume.py --part delta_{rate}", "date": "2026-11-28",
+                "commit": "abc1234", "hardware": "x86_64 VM, 2 CPU cores, no GPU"}
+        runs = {key: [{"step_s": c["step_s"]} if "step_s" in c else c] * 3 for key, c in cells.items()}
+        return {"meta": meta, "cells": cells, "runs": runs}
+
+    cell = lambda s, veth, loss=3.5: {"step_s": s, "step_s_runs": [s, s * 1.1], "veth_bytes_per_step": veth,  # noqa: E731
+                                      "loss": loss}
+    parts = {"delta_50mbit": part("50mbit", {"50mbit/small/zeropp": cell(0.8, 5.5e6),
+                                            "50mbit/small/zeropp_delta": cell(0.6, 2.75e6)}),
+             "delta_unlimited": part("unlimited", {"unlimited/small/ddp": cell(0.4, 4e7),
+                                                   "unlimited/small/zeropp": cell(0.5, 5.3e6),
+                                                   "unlimited/small/zeropp_delta": cell(0.5, 2.65e6)}),
+             "delta_200mbit": part("200mbit", {"200mbit/small/zeropp": cell(0.5, 5.5e6),
+                                               "200mbit/small/zeropp_delta": cell(0.55, 2.7e6),
+                                               "200mbit/small/deepspeed_zero3": {"skipped": "deepspeed is not installed"},
+                                               "unlimited/small/ddp": cell(0.4, 4e7)})}
+    for name, data in list(parts.items())[:2]:
+        (tmp_path / PART_FILES[name]).write_text(json.dumps(data))
+    assert _delta_lines(tmp_path) == []  # a part missing: no half section
+    (tmp_path / PART_FILES["delta_200mbit"]).write_text(json.dumps(parts["delta_200mbit"]))
+    text = "\n".join(_delta_lines(tmp_path))
+    assert "`python benchmarks/volume.py --part delta_200mbit --repeat 3`" in text
+    assert "| zeropp_delta | 0.600 (0.600-0.660, 2 runs) | 0.500 (0.500-0.550, 2 runs) | 1.20x | 2.75 |" in text
+    assert "| ddp | - | 0.400 (0.400-0.440, 2 runs) | - | 40.00 |" in text
+    assert "| zeropp_delta | 0.550 (0.550-0.605, 2 runs) | - | 1.10x | 1.38x | 2.70 | 3.5000 |" in text
+    assert "| deepspeed_zero3 | deepspeed is not installed |" in text
