@@ -344,7 +344,8 @@ def _delta_lines(results_dir: Path) -> list[str]:
                                                     ("DDP, no link limit", "unlimited/small/ddp"))}
     lines += ["", "| system at 200 Mbit/s | step s | " + " | ".join(f"vs {name}" for name in refs)
               + " | cross-node MB/step (veth) | loss |", "|---|---|---:|---:|---:|---:|---:|"]
-    for system, key in (("ddp (no link limit)", "unlimited/small/ddp"), ("deepspeed_zero3", "200mbit/small/deepspeed_zero3"),
+    for system, key in (("ddp (no link limit)", "unlimited/small/ddp"),
+                        ("deepspeed_zero3", "200mbit/small/deepspeed_zero3"),
                         ("zeropp", "200mbit/small/zeropp"), ("zeropp_delta", "200mbit/small/zeropp_delta")):
         lines.append(_ratio_row(system, cell(mid, key), list(refs.values())))
     return lines + ["", "Targets and what limits them on 2 cores: docs/zeropp.md, \"Weight deltas\"."]

@@ -241,8 +241,9 @@ def test_volume_page_renders_the_delta_parts_side_by_side(tmp_path):
         runs = {key: [{"step_s": c["step_s"]} if "step_s" in c else c] * 3 for key, c in cells.items()}
         return {"meta": meta, "cells": cells, "runs": runs}
 
-    cell = lambda s, veth, loss=3.5: {"step_s": s, "step_s_runs": [s, s * 1.1], "veth_bytes_per_step": veth,  # noqa: E731
-                                      "loss": loss}
+    def cell(s, veth, loss=3.5):
+        return {"step_s": s, "step_s_runs": [s, s * 1.1], "veth_bytes_per_step": veth, "loss": loss}
+
     parts = {"delta_50mbit": part("50mbit", {"50mbit/small/zeropp": cell(0.8, 5.5e6),
                                             "50mbit/small/zeropp_delta": cell(0.6, 2.75e6)}),
              "delta_unlimited": part("unlimited", {"unlimited/small/ddp": cell(0.4, 4e7),
@@ -250,7 +251,7 @@ def test_volume_page_renders_the_delta_parts_side_by_side(tmp_path):
                                                    "unlimited/small/zeropp_delta": cell(0.5, 2.65e6)}),
              "delta_200mbit": part("200mbit", {"200mbit/small/zeropp": cell(0.5, 5.5e6),
                                                "200mbit/small/zeropp_delta": cell(0.55, 2.7e6),
-                                               "200mbit/small/deepspeed_zero3": {"skipped": "deepspeed is not installed"},
+                                               "200mbit/small/deepspeed_zero3": {"skipped": "not installed"},
                                                "unlimited/small/ddp": cell(0.4, 4e7)})}
     for name, data in list(parts.items())[:2]:
         (tmp_path / PART_FILES[name]).write_text(json.dumps(data))
@@ -261,4 +262,4 @@ def test_volume_page_renders_the_delta_parts_side_by_side(tmp_path):
     assert "| zeropp_delta | 0.600 (0.600-0.660, 2 runs) | 0.500 (0.500-0.550, 2 runs) | 1.20x | 2.75 |" in text
     assert "| ddp | - | 0.400 (0.400-0.440, 2 runs) | - | 40.00 |" in text
     assert "| zeropp_delta | 0.550 (0.550-0.605, 2 runs) | - | 1.10x | 1.38x | 2.70 | 3.5000 |" in text
-    assert "| deepspeed_zero3 | deepspeed is not installed |" in text
+    assert "| deepspeed_zero3 | not installed |" in text
