@@ -129,7 +129,7 @@ def test_partial_or_foreign_weights_are_refused_and_nothing_is_left(tmp_path):
     class ComputesOnItsWeights(LlamaForCausalLM):  # an __init__ that reads a value: no meta build, no check
         def __init__(self, config):
             super().__init__(config)
-            self.scale = float(self.model.embed_tokens.weight.abs().max())
+            self.scale = float(self.model.embed_tokens.weight.detach().abs().max())
 
     with pytest.raises(ValueError, match=r"cannot check the weights against ComputesOnItsWeights: .* "
                                          r"Fix: pass HFModel\(model_cls=None\)"):
