@@ -107,7 +107,7 @@ def _loop(accelerator_cls, world, tmp, *, steps_before_save=None, resume_from=No
     if stats is not None:
         from zeropp_strategy.engine.fsdp import error_feedbacks
 
-        stats["kept_errors"] = sum(f.error is not None and bool(f.error.abs().sum() > 0)
+        stats["kept_errors"] = sum(f.kept is not None and bool(f.kept.abs().sum() > 0)
                                    for f in error_feedbacks(model))
     from accelerate.state import AcceleratorState
 

@@ -151,7 +151,7 @@ def _resume_worker(rank, world, tmp):
         from zeropp_strategy.engine.fsdp import error_feedbacks
 
         out[(name, fmt)] = {
-            "kept_errors": sum(f.error is not None and bool(f.error.abs().sum() > 0) for f in error_feedbacks(model)),
+            "kept_errors": sum(f.kept is not None and bool(f.kept.abs().sum() > 0) for f in error_feedbacks(model)),
             "model": _diff(straight[0], resumed[0]),
             "optim": max((straight[1]["state"][i][k].float() - resumed[1]["state"][i][k].float()).abs().max().item()
                          for i in straight[1]["state"] for k in straight[1]["state"][i]),

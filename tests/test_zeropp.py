@@ -171,7 +171,7 @@ def _per_hop_and_feedback(rank, world, topo, meshes, ledger, world_group, B):
     fed2 = reduce(8, feedback2, times=steps, bits=2)
     t2 = ledger.totals(CommKind.GRAD_REDUCE)
     s_pad = -(-s // B) * B  # 2-bit codes decode padding to a level: none of it may be kept as error
-    pad_error = feedback2.error.view(topo.num_nodes, s_pad)[:, s:]
+    pad_error = feedback2.kept.view(topo.num_nodes, s_pad)[:, s:]
     ledger.reset()
     int4_bf16 = reduce(4, scale_bits=16)[0]  # the fused requantization
     t16 = ledger.totals(CommKind.GRAD_REDUCE)
@@ -286,11 +286,11 @@ def test_error_feedback_against_reference(beta, reset, bits, bf16):
         error = (error * beta).add_(c - dequantize(codes, scales, B, n, bits), alpha=1 - beta)
         got_codes, got_scales = ef.quantize(p.clone(), B, bits, bf16_scales=bf16)
         assert torch.equal(got_codes, codes) and torch.equal(got_scales, scales), t
-        torch.testing.assert_close(ef.error, error, rtol=0, atol=1e-6)
+        torch.testing.assert_close(ef.kept, error, rtol=0, atol=1e-6)
         sent_sum = sent_sum + dequantize(codes, scales, B, n, bits)
         part_sum = part_sum + p
     if beta == 0.0 and not reset:
-        torch.testing.assert_close(sent_sum, part_sum - ef.error, rtol=0, atol=1e-5)
+        torch.testing.assert_close(sent_sum, part_sum - ef.kept, rtol=0, atol=1e-5)
 
 
 def _with_feedbacks(errors, reductions):
@@ -303,7 +303,7 @@ def _with_feedbacks(errors, reductions):
     module = torch.nn.Sequential(*(torch.nn.Linear(2, 2) for _ in errors))
     for sub, error, count in zip(module, errors, reductions, strict=True):
         feedback = ErrorFeedback(beta=0.8, reset_steps=0, layout=(1, 1))
-        feedback.error, feedback.reductions = error, count
+        feedback.kept, feedback.count = error, count
         sub.__dict__[_REDUCE_SCATTERS_ATTR] = {"g": SimpleNamespace(feedback=feedback)}
     return module
 
@@ -335,10 +335,10 @@ def test_kept_errors_load_only_into_the_layout_they_were_kept_for(tmp_path, capl
         return error_feedbacks(module), " ".join(r.getMessage() for r in caplog.records)
 
     restored, said = load(meta)
-    assert [torch.equal(f.error, e) for f, e in zip(restored, saved)] == [True, True] and not said
-    assert [f.reductions for f in restored] == [5, 9]
+    assert [torch.equal(f.kept, e) for f, e in zip(restored, saved)] == [True, True] and not said
+    assert [f.count for f in restored] == [5, 9]
     restored, said = load({**meta, "layout": [4, 2, 2]})
-    assert [f.error for f in restored] == [None, None] and [f.reductions for f in restored] == [5, 9]
+    assert [f.kept for f in restored] == [None, None] and [f.count for f in restored] == [5, 9]
     assert "kept for 4 ranks as 2 nodes x 2, this run has 1 as 1 x 1" in said
     for meta_, directory, groups, why in ((meta, None, 2, "one full-format file"),
                                           (None, tmp_path, 2, "saved without them"),
@@ -346,7 +346,7 @@ def test_kept_errors_load_only_into_the_layout_they_were_kept_for(tmp_path, capl
                                           ({**meta, "kinds": ["qwZ weight deltas"] * 2}, tmp_path, 2,
                                            "kept states are of other features (qwZ weight deltas)")):
         restored, said = load(meta_, directory, groups)
-        assert all(f.error is None and f.reductions == 0 for f in restored), why
+        assert all(f.kept is None and f.count == 0 for f in restored), why
         assert said.startswith("zeropp: qgZ error feedback starts from zero errors:") and why in said, said
 
 

@@ -261,50 +261,34 @@ class ErrorFeedback:
         self.beta = beta
         self.reset_steps = reset_steps
         self.layout = layout  # (nodes, ranks per node): the error means nothing on another
-        self.error: torch.Tensor | None = None
-        self.reductions = 0
+        # the names every kept state has (WeightDeltas' too), which checkpoint/comm_state.py saves
+        self.kept: torch.Tensor | None = None  # the error e, fp32, of the partials' shape
+        self.count = 0  # reductions so far (the reset counts them)
 
-    # what checkpoint/comm_state.py saves, under the names every kept state has (WeightDeltas')
     def part(self, rank: int) -> torch.Tensor | None:  # noqa: ARG002 - each rank's errors are its own
-        return self.error
+        return self.kept
 
     def sources(self, rank: int) -> list[int]:
         return [rank]
 
     def restore(self, parts: list[torch.Tensor | None]) -> None:
-        (self.error,) = parts
-
-    @property
-    def kept(self) -> torch.Tensor | None:
-        return self.error
-
-    @kept.setter
-    def kept(self, value: torch.Tensor | None) -> None:
-        self.error = value
-
-    @property
-    def count(self) -> int:
-        return self.reductions
-
-    @count.setter
-    def count(self, value: int) -> None:
-        self.reductions = value
+        (self.kept,) = parts
 
     def quantize(self, partials: torch.Tensor, block_elems: int, bits: int, *,
                  bf16_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Codes and scales of ``partials + error`` (fp32, whole blocks; used as scratch), and
         the error updated with what this quantization dropped."""
-        if self.error is None or self.error.shape != partials.shape:
-            self.error = torch.zeros_like(partials)
+        if self.kept is None or self.kept.shape != partials.shape:
+            self.kept = torch.zeros_like(partials)
         else:
-            self.error = self.error.to(partials.device)  # a no-op but after a load from a checkpoint
-            if self.reset_steps and self.reductions % self.reset_steps == 0:
-                self.error.zero_()
-        self.reductions += 1
-        compensated = partials.add_(self.error)
+            self.kept = self.kept.to(partials.device)  # a no-op but after a load from a checkpoint
+            if self.reset_steps and self.count % self.reset_steps == 0:
+                self.kept.zero_()
+        self.count += 1
+        compensated = partials.add_(self.kept)
         codes, scales = quantize(compensated, block_elems, bits, bf16_scales=bf16_scales)
         dropped = compensated.sub_(dequantize(codes, scales, block_elems, compensated.numel(), bits))
-        self.error.mul_(self.beta).add_(dropped, alpha=1.0 - self.beta)
+        self.kept.mul_(self.beta).add_(dropped, alpha=1.0 - self.beta)
         return codes, scales
 
 
@@ -417,7 +401,7 @@ class HierarchicalQuantReduceScatter(EmptyAlloc, ReduceScatter):
                 quantizer = quantize if self.feedback is None else self.feedback.quantize
                 c2, s2 = quantizer(partials, B, bits, bf16_scales=bf16_scales)
                 if self.feedback is not None and s_pad > s:  # 2-bit codes have no zero: padding sends level +1,
-                    self.feedback.error.view(M, s_pad)[:, s:] = 0.0  # which no receiver reads; keep none of it
+                    self.feedback.kept.view(M, s_pad)[:, s:] = 0.0  # which no receiver reads; keep none of it
             send2 = torch.cat(
                 [c2.view(torch.uint8).view(M, code_bytes), _scale_wire(s2, self.scale_bits).view(M, scale_bytes)],
                 dim=1,
