@@ -89,6 +89,9 @@ VARIANTS = {
                                  "cross_node_scale_bits": 32},
     "zeropp_delta_int4": {**{k: v for k, v in PRESETS["zeropp_4bit"].items() if k != "stage"},
                           "weight_delta_coding": True},
+    # ... the preset's 2-bit changes in blocks of 64 (0.515x zeropp's bytes with bf16 scales)
+    "zeropp_delta_b64": {**{k: v for k, v in PRESETS["zeropp_delta"].items() if k != "stage"},
+                         "weight_quant_block_elems": 64},
     # the weight path alone (no qgZ): how much of a delta level's loss is its weights'
     "qwZ_delta": {k: v for k, v in PRESETS["zeropp_delta"].items() if k not in ("stage", "quantized_gradients")},
     # 2-bit gradient codes across nodes (int8 inside), their rounding fed back: classic feedback
