@@ -326,19 +326,26 @@ def _delta_lines(results_dir: Path) -> list[str]:
     cell = lambda data, key: data["cells"].get(key, {})  # noqa: E731
     lines = ["", "## Beyond ZeRO++: `zeropp_delta` at 50 and 200 Mbit/s (issue 35)", "",
              "The `zeropp_delta` preset (weight deltas in 2-bit codes, bf16 block scales; docs/zeropp.md, \"Weight "
-             "deltas\") beside `zeropp`, on the cluster and model of the suite above, bf16-mixed. Commands (as root; "
+             "deltas\") beside `zeropp`, on the simulated cluster and model of the suite above, bf16-mixed, on "
+             "the CPU each run names (compare ratios within a table). Commands (as root; "
              "the last needs deepspeed): " + ", ".join(f"`{d['meta']['command']} --repeat {_rounds(d)}`"
                                                       for d in (slow, free, mid)) + ". Runs: "
-             + ", ".join(f"{d['meta']['date']} at {d['meta']['commit']}" for d in (slow, free, mid))
+             + ", ".join(f"{d['meta']['date']} at {d['meta']['commit']} (torch CPU capability "
+                         f"{d['meta'].get('cpu_capability', '?')})" for d in (slow, free, mid))
              + f". Hardware: {mid['meta']['hardware']}. Each cell ran once per round; the median and the range "
              "of the runs are shown.", "",
              "| system | 50 Mbit/s step s | unlimited step s | 50 Mbit/s / unlimited | cross-node MB/step at 50 "
-             "Mbit/s (veth) | loss after 16 steps |", "|---|---|---|---:|---:|---:|"]
+             "Mbit/s (veth) | loss after 16 steps (unlimited) |", "|---|---|---|---:|---:|---:|"]
+    def step(c: dict) -> str:
+        return _runs(c) if "step_s" in c else c.get("error") or c.get("skipped") or "-"
+
     for system in PARTS["delta_unlimited"][2]:
         a, b = cell(slow, f"50mbit/small/{system}"), cell(free, f"unlimited/small/{system}")
         ratio = f"{a['step_s'] / b['step_s']:.2f}x" if "step_s" in a and "step_s" in b else "-"
-        lines.append(f"| {system} | {_runs(a) if 'step_s' in a else '-'} | {_runs(b) if 'step_s' in b else '-'} | "
-                     f"{ratio} | {(a or b).get('veth_bytes_per_step', 0) / MB:.2f} | {b.get('loss', 0):.4f} |")
+        veth = (f"{a['veth_bytes_per_step'] / MB:.2f}" if "step_s" in a else
+                f"{b['veth_bytes_per_step'] / MB:.2f} (unlimited)" if "step_s" in b else "-")
+        loss = f"{b['loss']:.4f}" if "step_s" in b else "-"
+        lines.append(f"| {system} | {step(a)} | {step(b)} | {ratio} | {veth} | {loss} |")
     refs = {name: cell(mid, key) for name, key in (("DeepSpeed ZeRO-3", "200mbit/small/deepspeed_zero3"),
                                                     ("zeropp", "200mbit/small/zeropp"),
                                                     ("DDP, no link limit", "unlimited/small/ddp"))}

@@ -89,7 +89,7 @@ VARIANTS = {
                                  "cross_node_scale_bits": 32},
     "zeropp_delta_int4": {**{k: v for k, v in PRESETS["zeropp_4bit"].items() if k != "stage"},
                           "weight_delta_coding": True},
-    # ... the preset's 2-bit changes in blocks of 64 (0.515x zeropp's bytes with bf16 scales)
+    # ... the preset's 2-bit changes in blocks of 64 (0.514x zeropp's bytes with bf16 scales)
     "zeropp_delta_b64": {**{k: v for k, v in PRESETS["zeropp_delta"].items() if k != "stage"},
                          "weight_quant_block_elems": 64},
     # the weight path alone (no qgZ): how much of a delta level's loss is its weights'

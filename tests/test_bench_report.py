@@ -260,6 +260,6 @@ def test_volume_page_renders_the_delta_parts_side_by_side(tmp_path):
     text = "\n".join(_delta_lines(tmp_path))
     assert "`python benchmarks/volume.py --part delta_200mbit --repeat 3`" in text
     assert "| zeropp_delta | 0.600 (0.600-0.660, 2 runs) | 0.500 (0.500-0.550, 2 runs) | 1.20x | 2.75 |" in text
-    assert "| ddp | - | 0.400 (0.400-0.440, 2 runs) | - | 40.00 |" in text
+    assert "| ddp | - | 0.400 (0.400-0.440, 2 runs) | - | 40.00 (unlimited) |" in text
     assert "| zeropp_delta | 0.550 (0.550-0.605, 2 runs) | - | 1.10x | 1.38x | 2.70 | 3.5000 |" in text
     assert "| deepspeed_zero3 | not installed |" in text
