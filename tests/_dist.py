@@ -406,6 +406,23 @@ class LogLines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
+def _more_failures(out: Any, call: int, failures: list[str], results: dict[int, Any], world_size: int, *,
+                   grace_s: float) -> None:
+    """After a rank's failure: the other ranks' reports that arrive within ``grace_s``."""
+    deadline = time.monotonic() + grace_s
+    while len(results) + len(failures) < world_size and time.monotonic() < deadline:
+        try:
+            got, rank, ok, payload = out.get(timeout=max(0.05, deadline - time.monotonic()))
+        except queue.Empty:
+            return
+        if got != call:
+            continue
+        if ok:
+            failures.append(f"--- rank {rank} --- returned normally (fewer collectives than the failed rank?)")
+        else:
+            failures.append(f"--- rank {rank} ---\n{payload}")
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -470,7 +487,10 @@ def run_ranks(
                 results[rank] = pickle.loads(payload)
             else:
                 failures.append(f"--- rank {rank} ---\n{payload}")
-                # One failed rank usually leaves the others blocked in a collective.
+                # One failed rank usually leaves the others blocked in a collective. The first
+                # report is often a peer's "connection closed": give the others a moment to
+                # report theirs, which holds the cause.
+                _more_failures(out, call, failures, results, world_size, grace_s=3.0)
                 break
     finally:
         if pool is not None:
