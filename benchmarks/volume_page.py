@@ -336,6 +336,7 @@ def _delta_lines(results_dir: Path) -> list[str]:
              "of the runs are shown.", "",
              "| system | 50 Mbit/s step s | unlimited step s | 50 Mbit/s / unlimited | cross-node MB/step at 50 "
              "Mbit/s (veth) | loss after 16 steps (unlimited) |", "|---|---|---|---:|---:|---:|"]
+
     def step(c: dict) -> str:
         return _runs(c) if "step_s" in c else c.get("error") or c.get("skipped") or "-"
 

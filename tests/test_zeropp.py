@@ -143,7 +143,7 @@ def _per_hop_and_feedback(rank, world, topo, meshes, ledger, world_group, B):
 
     from zeropp_strategy.comm.ledger import CommKind
     from zeropp_strategy.comm.zeropp import ErrorFeedback, HierarchicalQuantReduceScatter
-    from zeropp_strategy.kernels import quantized_nbytes
+    from zeropp_strategy.kernels import padded_numel, quantized_nbytes
 
     s, steps = 1000, 8
     inp = torch.randn(world * s, generator=torch.Generator().manual_seed(200 + rank))
@@ -170,7 +170,7 @@ def _per_hop_and_feedback(rank, world, topo, meshes, ledger, world_group, B):
     feedback2 = ErrorFeedback(beta=0.0, reset_steps=0)
     fed2 = reduce(8, feedback2, times=steps, bits=2)
     t2 = ledger.totals(CommKind.GRAD_REDUCE)
-    s_pad = -(-s // B) * B  # 2-bit codes decode padding to a level: none of it may be kept as error
+    s_pad = padded_numel(s, B)  # 2-bit codes decode padding to a level: none of it may be kept as error
     pad_error = feedback2.kept.view(topo.num_nodes, s_pad)[:, s:]
     ledger.reset()
     int4_bf16 = reduce(4, scale_bits=16)[0]  # the fused requantization
