@@ -131,3 +131,107 @@ def test_an_initialization_that_needs_the_base_weights_is_refused_on_meta() -> N
     object.__setattr__(model.peft_config["default"], "init_lora_weights", "pissa")  # as a user would have asked
     with pytest.raises(UsageError, match="init_lora_weights='pissa'.*meta_init=False"):
         materialize(model, torch.device("cpu"))
+
+
+def _gpt2(n_layer: int = 2):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(n_layer=n_layer, n_embd=64, n_head=4, vocab_size=128, n_positions=32, bos_token_id=0,
+                     eos_token_id=0)
+    return GPT2LMHeadModel(cfg)
+
+
+def _same_init(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    """Every tensor drawn from its real build's distribution: constants equal, random ones
+    with the same mean and std (4,096 or more values each: 10% is about 9 standard errors)."""
+    assert got.keys() == want.keys()
+    for k, w in want.items():
+        g = got[k]
+        if w.std() == 0:
+            assert torch.equal(g, w), k
+        else:
+            assert abs(g.std().item() / w.std().item() - 1) < 0.1, (k, g.std().item(), w.std().item())
+            assert abs(g.mean().item()) < 0.1 * w.std().item(), k
+
+
+def test_a_hugging_face_init_that_reaches_into_submodules_runs_on_meta() -> None:
+    """GPT-2's attention and MLP blocks redraw their c_proj weights with std 0.02 / sqrt(2
+    n_layer) from the blocks' own _init_weights call ([Note: inits that reach into
+    submodules] in engine/parent_init.py); a meta build used to keep the Conv1D's std 0.02."""
+    torch.manual_seed(0)
+    real = _gpt2()
+    with meta_build():
+        model = _gpt2()
+    materialize(model, torch.device("cpu"))
+    _same_init(dict(model.named_parameters()), dict(real.named_parameters()))
+    scaled = model.transformer.h[1].mlp.c_proj.weight
+    assert abs(scaled.std().item() - 0.02 / 2) < 0.001  # 0.02 / sqrt(2 * 2)
+    assert model.lm_head.weight is model.transformer.wte.weight
+
+
+def test_a_parents_init_leaves_tensors_read_from_a_folder(tmp_path) -> None:
+    """The second pass redraws only what this materialization drew: a GPT-2 streamed from a
+    folder keeps the folder's c_proj weights."""
+    from zeropp_strategy.engine.pretrained import from_pretrained
+
+    torch.manual_seed(0)
+    _gpt2().save_pretrained(tmp_path)
+    with meta_build():
+        model = from_pretrained(tmp_path, dtype=torch.float32)
+    materialize(model, torch.device("cpu"))
+    from transformers import AutoModelForCausalLM
+
+    want = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).state_dict()
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, want[k]), k
+
+
+class _KeepingStore:
+    """Stands in for offload_param='nvme''s ParamStore: records the groups handed to it."""
+
+    def __init__(self) -> None:
+        self.filled = 0
+
+    def fill(self, group) -> None:
+        self.filled += 1
+
+
+def _sharded_gpt2_worker(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    for streaming in (False, True):
+        torch.manual_seed(0)
+        with meta_build():
+            model = _gpt2()
+        for block in model.transformer.h:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        store = _KeepingStore() if streaming else None
+        materialize(model, torch.device("cpu"), store=store)
+        out["streaming" if streaming else "whole"] = {n: p.full_tensor() for n, p in model.named_parameters()}
+        if store is not None:
+            out["groups stored"] = store.filled
+    return out
+
+
+def test_on_a_cpu_mesh_the_parents_init_draws_whole_tensors_before_a_group_is_stored() -> None:
+    """Sharded on 2 ranks, with the model's groups materialized all at once and streamed one
+    group at a time (as offload_param='nvme' does): the same distributions as the real build,
+    each redrawn c_proj drawn whole (its two ranks' halves differ) before its group is stored."""
+    from tests._dist import run_ranks
+
+    per_rank = run_ranks(_sharded_gpt2_worker, 2, (), timeout_s=120, init_process_group=True)
+    torch.manual_seed(0)
+    want = dict(_gpt2().named_parameters())
+    for out in per_rank:
+        assert out["groups stored"] == 3  # two blocks and the root
+        for how in ("whole", "streaming"):
+            _same_init(out[how], want)
+            w = out[how]["transformer.h.0.attn.c_proj.weight"]
+            assert not torch.equal(w[:32], w[32:]), how
+    for how in ("whole", "streaming"):
+        for k, v in per_rank[0][how].items():
+            assert torch.equal(v, per_rank[1][how][k]), (how, k)

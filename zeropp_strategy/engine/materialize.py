@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from zeropp_strategy.engine.fsdp_groups import fsdp_modules
 from zeropp_strategy.engine.meta_init import has_meta, replayed_rng
+from zeropp_strategy.engine.parent_init import ParentInits
 from zeropp_strategy.engine.peft_init import lora_inits
 from zeropp_strategy.engine.pretrained import Loads
 from zeropp_strategy.fsdp_private import group_params, param_groups, reset_sharded_param
@@ -32,7 +33,9 @@ from zeropp_strategy.fsdp_private import group_params, param_groups, reset_shard
 def materialize(root: nn.Module, device: torch.device, *, store: Any = None) -> None:
     """Allocate and initialize meta-device tensors, shard by shard.
 
-    A Hugging Face model's submodules get the model's ``_init_weights``; every other
+    A Hugging Face model's submodules get the model's ``_init_weights`` (the innermost
+    model's, and a module's after its children's: [Note: inits that reach into submodules]
+    in engine/parent_init.py); every other
     module with tensors of its own gets ``reset_parameters()``, in registration order and
     from the random state its meta build ended with (engine/meta_init.py), so the values
     are a real build's. Either way each rank keeps only its shard. Anything left
@@ -45,16 +48,17 @@ def materialize(root: nn.Module, device: torch.device, *, store: Any = None) -> 
     for m in root.modules():
         init = getattr(m, "_init_weights", None)
         if callable(init) and hasattr(m, "config"):
-            for sub in m.modules():
-                hf_init.setdefault(id(sub), init)
+            for sub in m.modules():  # a model inside a model: the inner one's init (HF's smart_apply)
+                hf_init[id(sub)] = init
     missing: set[str] = set()
     loads = Loads(root)  # models from_pretrained built on meta: [Note: streaming load] in engine/pretrained.py
+    parents = ParentInits(root, hf_init)
     hf_init.update(lora_inits(root, _whole_tensors))  # peft's LoRA adapters: peft's own init (engine/peft_init.py)
     with replayed_rng(root):  # [Note: the build's random state] in engine/meta_init.py
         if store is None:
-            _materialize_meta_modules(root, device, hf_init, missing, loads)
+            _materialize_meta_modules(root, device, hf_init, missing, loads, parents)
         else:
-            _materialize_streaming(root, device, store, hf_init, missing, loads)
+            _materialize_streaming(root, device, store, hf_init, missing, loads, parents)
     loads.close()
     if missing:
         raise TypeError(
@@ -83,7 +87,7 @@ def _reset_sharded_params(modules: Iterable[nn.Module]) -> None:
 
 
 def _materialize_meta_modules(root: nn.Module, device: torch.device, hf_init: dict[int, Callable[[nn.Module], None]],
-                              missing: set[str], loads: Loads) -> None:
+                              missing: set[str], loads: Loads, parents: ParentInits) -> None:
     """Allocate and initialize the modules that own meta tensors, and only those: a model
     whose backbone was loaded for real (in ``__init__``, say) and whose head was built on the
     meta device keeps the backbone's values. FSDP2 re-reads every sharded parameter after the
@@ -92,7 +96,9 @@ def _materialize_meta_modules(root: nn.Module, device: torch.device, hf_init: di
     todo = [m for m in root.modules() if _owns_meta(m)]
     to_empty_keeping_ties(todo, device)
     _reset_sharded_params(fsdp_modules(root))
-    _initialize(todo, hf_init, missing, loads)
+    _initialize(todo, hf_init, missing, loads, parents)
+    for m in root.modules():
+        parents.after(m, _whole_tensors)
 
 
 def to_empty_keeping_ties(modules: Iterable[nn.Module], device: torch.device,
@@ -113,7 +119,7 @@ def to_empty_keeping_ties(modules: Iterable[nn.Module], device: torch.device,
 
 
 def _initialize(modules: Iterable[nn.Module], hf_init: dict[int, Callable[[nn.Module], None]],
-                missing: set[str], loads: Loads) -> None:
+                missing: set[str], loads: Loads, parents: ParentInits) -> None:
     for m in modules:
         if not _own_tensors(m):
             continue
@@ -132,11 +138,13 @@ def _initialize(modules: Iterable[nn.Module], hf_init: dict[int, Callable[[nn.Mo
             else:
                 missing.add(type(m).__name__)
         loads.fill(m)
+        parents.drawn.update(id(t) for t in _own_tensors(m) if id(t) not in loads.done)
 
 
 @contextmanager
-def _whole_tensors(m: nn.Module) -> Iterator[None]:
-    """On a CPU mesh, ``m``'s sharded parameters are whole tensors while its init runs.
+def _whole_tensors(m: nn.Module, names: set[str] | None = None) -> Iterator[None]:
+    """On a CPU mesh, ``m``'s sharded parameters (those in ``names``, or all) are whole
+    tensors while its init runs.
 
     [Note: initialization on a CPU mesh]
     DTensor's random ops draw each shard at its offset of the whole tensor only on
@@ -148,7 +156,7 @@ def _whole_tensors(m: nn.Module) -> Iterator[None]:
     sharding, from the same seed. It costs one module's whole parameters at a time."""
     swapped = []
     for name, p in list(m.named_parameters(recurse=False)):
-        if isinstance(p, DTensor) and p.device_mesh.device_type == "cpu":
+        if isinstance(p, DTensor) and p.device_mesh.device_type == "cpu" and (names is None or name in names):
             whole = nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
             m._parameters[name] = whole
             swapped.append((name, p, whole))
@@ -174,7 +182,8 @@ def _own_modules(group_root: nn.Module) -> list[nn.Module]:
 
 
 def _materialize_streaming(root: nn.Module, device: torch.device, store: Any,
-                           hf_init: dict[int, Callable[[nn.Module], None]], missing: set[str], loads: Loads) -> None:
+                           hf_init: dict[int, Callable[[nn.Module], None]], missing: set[str], loads: Loads,
+                           parents: ParentInits) -> None:
     """[Note: streaming initialization]
     ``root.to_empty`` would allocate this rank's whole shard of the model at once (4 P/N
     bytes in fp32) before anything could move to NVMe: the 3.4B-parameter model of issue 22
@@ -198,7 +207,8 @@ def _materialize_streaming(root: nn.Module, device: torch.device, store: Any,
         group_root = owner.get(id(m))
         if group_root is None:  # outside every fully_shard module: nothing of it is offloaded
             to_empty_keeping_ties([m], device, replaced)
-            _initialize([m], hf_init, missing, loads)
+            _initialize([m], hf_init, missing, loads, parents)
+            parents.after(m, _whole_tensors)
             continue
         if id(group_root) not in ready:
             ready.add(id(group_root))
@@ -211,8 +221,10 @@ def _materialize_streaming(root: nn.Module, device: torch.device, store: Any,
                     "nothing loaded for real), or all of it for real (meta_init=False)")
             to_empty_keeping_ties(_own_modules(group_root), device, replaced)
             _reset_sharded_params([group_root])
-        _initialize([m], hf_init, missing, loads)
+        _initialize([m], hf_init, missing, loads, parents)
+        parents.after(m, _whole_tensors)
         left[id(group_root)] -= 1
         if not left[id(group_root)]:
+            parents.stored.update(id(t) for sub in _own_modules(group_root) for t in _own_tensors(sub))
             for g in param_groups(group_root):
                 store.fill(g)
