@@ -220,7 +220,8 @@ def _sharded_gpt2_worker(rank: int, world: int) -> dict:
 def test_on_a_cpu_mesh_the_parents_init_draws_whole_tensors_before_a_group_is_stored() -> None:
     """Sharded on 2 ranks, with the model's groups materialized all at once and streamed one
     group at a time (as offload_param='nvme' does): the same distributions as the real build,
-    each redrawn c_proj drawn whole (its two ranks' halves differ) before its group is stored."""
+    each redrawn c_proj drawn whole (its two ranks' halves differ) before its group is stored,
+    and the two ways the same draws, bit for bit."""
     from tests._dist import run_ranks
 
     per_rank = run_ranks(_sharded_gpt2_worker, 2, (), timeout_s=120, init_process_group=True)
@@ -235,3 +236,5 @@ def test_on_a_cpu_mesh_the_parents_init_draws_whole_tensors_before_a_group_is_st
     for how in ("whole", "streaming"):
         for k, v in per_rank[0][how].items():
             assert torch.equal(v, per_rank[1][how][k]), (how, k)
+    for k, v in per_rank[0]["whole"].items():
+        assert torch.equal(v, per_rank[0]["streaming"][k]), k

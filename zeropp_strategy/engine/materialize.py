@@ -34,8 +34,8 @@ def materialize(root: nn.Module, device: torch.device, *, store: Any = None) -> 
     """Allocate and initialize meta-device tensors, shard by shard.
 
     A Hugging Face model's submodules get the model's ``_init_weights`` (the innermost
-    model's, and a module's after its children's: [Note: inits that reach into submodules]
-    in engine/parent_init.py); every other
+    model's; where a module's init redraws its children's tensors, that redraw comes after
+    their own init: [Note: inits that reach into submodules] in engine/parent_init.py); every other
     module with tensors of its own gets ``reset_parameters()``, in registration order and
     from the random state its meta build ended with (engine/meta_init.py), so the values
     are a real build's. Either way each rank keeps only its shard. Anything left
@@ -48,8 +48,10 @@ def materialize(root: nn.Module, device: torch.device, *, store: Any = None) -> 
     for m in root.modules():
         init = getattr(m, "_init_weights", None)
         if callable(init) and hasattr(m, "config"):
+            inner = any(c.__name__ == "PreTrainedModel" for c in type(m).__mro__)
             for sub in m.modules():  # a model inside a model: the inner one's init (HF's smart_apply)
-                hf_init[id(sub)] = init
+                if inner or id(sub) not in hf_init:
+                    hf_init[id(sub)] = init
     missing: set[str] = set()
     loads = Loads(root)  # models from_pretrained built on meta: [Note: streaming load] in engine/pretrained.py
     parents = ParentInits(root, hf_init)
@@ -96,8 +98,10 @@ def _materialize_meta_modules(root: nn.Module, device: torch.device, hf_init: di
     todo = [m for m in root.modules() if _owns_meta(m)]
     to_empty_keeping_ties(todo, device)
     _reset_sharded_params(fsdp_modules(root))
-    _initialize(todo, hf_init, missing, loads, parents)
-    for m in root.modules():
+    todo_ids = {id(m) for m in todo}
+    for m in root.modules():  # in the streaming path's order: the same draws, bit for bit
+        if id(m) in todo_ids:
+            _initialize([m], hf_init, missing, loads, parents)
         parents.after(m, _whole_tensors)
 
 

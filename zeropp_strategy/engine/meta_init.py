@@ -19,8 +19,9 @@ draws are the same as the real build's, so the model starts from the values it w
 had without the meta device, bit for bit, and the generator is left where a real build
 would have left it (what a ``seed_everything`` before ``configure_model`` promises under
 DDP). A Hugging Face model's real build draws twice (each layer's own init, then
-``_init_weights``); on meta only ``_init_weights`` runs (on a module after its children, as
-Hugging Face runs it: [Note: inits that reach into submodules] in engine/parent_init.py), so
+``_init_weights``); on meta only ``_init_weights`` runs (a parent's redraw of its children's
+tensors after their own init, as in Hugging Face: [Note: inits that reach into submodules]
+in engine/parent_init.py), so
 its values are drawn from the same distributions but are not the real build's. Only the CPU generator is replayed: on a
 GPU mesh DTensor's own RNG tracker draws each shard at its offset.
 """

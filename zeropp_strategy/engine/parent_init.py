@@ -18,9 +18,13 @@ subtree ends with ``m`` (so deeper modules first: HF's order). Each such call ru
    this init draws; nothing is allocated and the generator is left as it was;
 2. if it writes tensors of its descendants that this materialization drew (never one filled
    from a pretrained folder), again with those tensors real (whole on a CPU mesh, [Note:
-   initialization on a CPU mesh] in engine/materialize.py) and meta stand-ins for the rest:
-   the parent's own tensors were drawn by the first pass already, and a write to a stand-in
-   is dropped.
+   initialization on a CPU mesh] in engine/materialize.py) and meta stand-ins for the rest
+   (the parent's own tensors too: ``materialize`` initialized them when it reached the
+   parent, before its children); a write to a stand-in is dropped.
+So the redraw of a child's tensor comes after the child's own init, as in Hugging Face; a
+module that owns tensors still gets its own init before its children's. An init that
+reads a child's values (``.item()``, a copy from a sibling) cannot run on stand-ins and
+fails here; build such a model with ``meta_init=False``.
 Every model probed (GPT-2, Llama, Qwen2, Mistral, OPT, GPT-NeoX, Phi, Gemma 2 in
 transformers 5.24) writes from a parent only in GPT-2's blocks, one tensor each.
 """
@@ -45,11 +49,12 @@ class ParentInits:
 
     def __init__(self, root: nn.Module, hf_init: dict[int, Callable[[nn.Module], None]]) -> None:
         self.done_at: dict[int, list[tuple[nn.Module, Callable[[nn.Module], None]]]] = {}
-        for p in root.modules():  # registration order: an ancestor before its descendants
+        order = {id(m): i for i, m in enumerate(root.modules())}  # registration order, as materialize goes
+        for p in root.modules():  # an ancestor before its descendants
             init = hf_init.get(id(p))
             if init is None or next(p.children(), None) is None:
                 continue
-            *_, last = p.modules()
+            last = max(p.modules(), key=lambda m: order[id(m)])  # a shared submodule may come later elsewhere
             self.done_at.setdefault(id(last), []).insert(0, (p, init))  # the deeper first
         self.drawn: set[int] = set()  # tensors (ids) this materialization drew
         self.stored: set[int] = set()  # tensors (ids) handed to an NVMe store: out of reach
@@ -62,8 +67,13 @@ class ParentInits:
              whole: Callable[[nn.Module, set[str]], Any]) -> None:
         slots = [(m, kind, name) for m in p.modules() if m is not p
                  for kind in ("_parameters", "_buffers") for name, t in getattr(m, kind).items() if t is not None]
-        written = _written(p, init, slots)
-        touched = [s for s in written if id(_get(s)) in self.drawn]
+        written, seen = _written(p, init, slots), set()
+        touched = []
+        for s in written:  # a tensor tied into two slots is made whole once
+            t = _get(s)
+            if id(t) in self.drawn and id(t) not in seen:
+                seen.add(id(t))
+                touched.append(s)
         if not touched:
             return
         gone = [f"{type(s[0]).__name__}.{s[2]}" for s in touched if id(_get(s)) in self.stored]
@@ -99,16 +109,16 @@ def _stand_ins(slots: list[Slot]) -> Iterator[dict[int, Slot]]:
     """Each slot's tensor replaced by an empty one on the meta device (a parameter by a
     parameter); yields storage key -> slot."""
     kept, keys = [], {}
-    for slot in slots:
-        m, kind, name = slot
-        t = getattr(m, kind)[name]
-        meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
-        if isinstance(t, nn.Parameter):
-            meta = nn.Parameter(meta, requires_grad=t.requires_grad)
-        getattr(m, kind)[name] = meta
-        kept.append((slot, t))
-        keys[_key(meta)] = slot
     try:
+        for slot in slots:
+            m, kind, name = slot
+            t = getattr(m, kind)[name]
+            meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
+            if isinstance(t, nn.Parameter):
+                meta = nn.Parameter(meta, requires_grad=t.requires_grad)
+            kept.append((slot, t))
+            getattr(m, kind)[name] = meta
+            keys[_key(meta)] = slot
         yield keys
     finally:
         for (m, kind, name), t in kept:
@@ -140,7 +150,9 @@ class _Writes(TorchDispatchMode):
 def _written(p: nn.Module, init: Callable[[nn.Module], None], slots: list[Slot]) -> list[Slot]:
     """The slots of ``p``'s descendants that ``init(p)`` writes, found on meta stand-ins."""
     state = torch.get_rng_state()  # a draw on the CPU copied into a stand-in must not count
-    with _stand_ins(slots + _own(p)) as keys, _Writes() as writes:
-        init(p)
-    torch.set_rng_state(state)
+    try:
+        with _stand_ins(slots + _own(p)) as keys, _Writes() as writes:
+            init(p)
+    finally:
+        torch.set_rng_state(state)
     return [s for k, s in keys.items() if k in writes.keys and s[0] is not p]
