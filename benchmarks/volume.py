@@ -106,6 +106,9 @@ def _meta(args: argparse.Namespace) -> dict:
         "steps": args.steps, "warmup": args.warmup, "batch": args.batch, "precision": args.precision,
         "repeat": args.repeat, "bf16_matmul": args.bf16_matmul, "cpu_capability": _cpu_capability(),
         "matmul_ms": _matmul_ms(),
+        # our systems' GPT-2, built on meta, has GPT-2's own init (engine/parent_init.py; runs
+        # without this key predate it: their loss columns start from another init than DDP's)
+        "meta_init_as_hf": True,
     }
 
 
