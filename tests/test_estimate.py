@@ -272,18 +272,23 @@ def test_frozen_leaves_are_priced_as_the_run_gathers_them(tmp_path) -> None:
     assert with_leaves.inter_bytes - without.inter_bytes == pytest.approx(C * table * (2 - 1) / 4)
 
 
-def test_4bit_and_delta_rows_are_shown_and_never_recommended_on_their_own() -> None:
+def test_on_a_slow_link_delta_is_recommended_and_4bit_only_named() -> None:
     """issue 35: `zeropp_4bit` and `zeropp_delta` price their weight gathers (fewer
     cross-node bytes than `zeropp`: int4 codes of the weights, 2-bit codes of their changes
-    plus the kept copies in memory), but on a slow link, where they are fastest, the
-    recommendation stays `zeropp` and names the fastest with the reason."""
+    plus the kept copies in memory). On a slow link `zeropp_delta`, the fastest, is
+    recommended (its loss held in our benchmark: docs/zeropp.md); `zeropp_4bit` is only
+    named with the reason it is not recommended; on a fast one `zeropp` stays (within 5%,
+    the simpler)."""
     rows = _rows(_shape(8e9, root=1e9, blocks=32), nodes=2, gpus_per_node=8, link=10e9 / 8)
     four, delta, zpp = rows["zeropp_4bit"], rows["zeropp_delta"], rows["zeropp"]
     assert four.inter_bytes < 0.8 * zpp.inter_bytes and four.step_s < zpp.step_s
     assert delta.inter_bytes < 0.6 * zpp.inter_bytes and delta.step_s < four.step_s
     assert delta.gpu["delta_copies"] == 2 * 8e9 / 8  # 16-bit copies of 1/8 of the parameters
-    assert rows["_best"].name == "zeropp"
-    assert "zeropp_delta would be" in rows["_why"] and "not recommended on its own" in rows["_why"]
+    assert rows["_best"].name == "zeropp_delta"
+    assert "zeropp_4bit" not in rows["_why"]  # slower than the recommendation: nothing to name
+    # 8 x 400 Gbit/s per node (a DGX's links): both hide under compute, zeropp is the simpler
+    fast = _rows(_shape(8e9, root=1e9, blocks=32), nodes=2, gpus_per_node=8, link=3200e9 / 8)
+    assert fast["_best"].name == "zeropp", fast["_why"]
 
 
 def test_error_feedback_keeps_fp32_errors_of_one_node_share_of_the_gradients() -> None:
