@@ -6,10 +6,13 @@ rounding fed back (weight_delta_coding, zeropp_delta), along one real training r
 
 One process trains the GPT-2-shaped model of benchmarks/zeropp_convergence.py with its
 recipe (AdamW, warm-up, cosine decay, clipping; batch 16 = its 4 ranks x 4) in fp32, without
-any quantization, and after every step codes a sample of the flat weights (64 runs of 4,096
-elements spread over every tensor) the way each wire does, with this package's
-``kernels.quantize``/``dequantize`` (blocks of 256 for int8 and 2-bit, 64 for int4; fp32
-scales). Printed: the RMS and the largest error of each copy, in units of that step's own
+any quantization (its own run: not the benchmark's draws or data order, the same recipe and
+corpus), and after every step codes a sample of the weights (the first 4,096 elements of
+every tensor, the whole of a smaller one: 52 tensors, LayerNorms and biases included) the
+way each wire does, with this package's ``kernels.quantize``/``dequantize``: int8 codes of
+the weights in blocks of 256 and int4 in blocks of 64 with fp32 scales (qwZ, zeropp_4bit);
+2-bit codes of the changes in blocks of 256 with bf16 scales (the zeropp_delta preset), int4
+ones in blocks of 64 with fp32 scales. Printed: the RMS and the largest error of each copy, in units of that step's own
 change of the weights (RMS and largest), averaged over the steps after the warm-up's
 first 10, and over the last 50. Weight deltas are the weights' changes, so their error
 shrinks with the learning rate; codes of the weights are not.
@@ -29,8 +32,8 @@ from benchmarks.bench_train import corpus  # noqa: E402
 from zeropp_strategy.kernels import dequantize, quantize  # noqa: E402
 
 
-def coded(x: torch.Tensor, bits: int, block: int) -> torch.Tensor:
-    codes, scales = quantize(x, block, bits)
+def coded(x: torch.Tensor, bits: int, block: int, bf16_scales: bool = False) -> torch.Tensor:
+    codes, scales = quantize(x, block, bits, bf16_scales=bf16_scales)
     return dequantize(codes, scales, block, x.numel(), bits)
 
 
@@ -48,10 +51,8 @@ def trajectory(steps: int, seed: int) -> torch.Tensor:
                                               0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, (s - warm) / (steps - warm)))))
     data = torch.utils.data.DataLoader(corpus(128, 512), batch_size=16, shuffle=True,
                                        generator=torch.Generator().manual_seed(seed))
-    flat = lambda: torch.cat([p.detach().reshape(-1) for p in model.parameters()])  # noqa: E731
-    n = flat().numel()
-    sample = torch.cat([torch.arange(o, o + 4096) for o in range(0, n - 4096, n // 64)])
-    out, batches = [flat()[sample].clone()], iter(data)
+    sample = lambda: torch.cat([p.detach().reshape(-1)[:4096] for p in model.parameters()])  # noqa: E731
+    out, batches = [sample().clone()], iter(data)
     for step in range(steps):
         try:
             (ids,) = next(batches)
@@ -63,7 +64,7 @@ def trajectory(steps: int, seed: int) -> torch.Tensor:
         opt.step()
         opt.zero_grad()
         sched.step()
-        out.append(flat()[sample].clone())
+        out.append(sample().clone())
         if step % 50 == 0:
             print(f"step {step}", flush=True)
     return torch.stack(out)
@@ -87,11 +88,12 @@ def main() -> None:
     w = trajectory(args.steps, args.seed)
     rows = {"int8 codes of the weights (zeropp's qwZ, blocks of 256)": lambda t: coded(w[t], 8, 256),
             "int4 codes of the weights (zeropp_4bit, blocks of 64)": lambda t: coded(w[t], 4, 64)}
-    for bits, block, name in ((2, 256, "zeropp_delta"), (4, 64, "int4 deltas")):
+    for bits, block, bf16, name in ((2, 256, True, "zeropp_delta, blocks of 256, bf16 scales"),
+                                    (4, 64, False, "int4 deltas, blocks of 64")):
         kept = [w[0].clone()]  # the first gather sends the weights themselves
-        for t in range(1, w.shape[0]):
-            kept.append(kept[-1] + coded(w[t] - kept[-1], bits, block))  # the next change is taken against the copy
-        rows[f"{bits}-bit codes of the changes, fed back ({name}, blocks of {block})"] = kept.__getitem__
+        for t in range(1, w.shape[0]):  # the next change is taken against the copy
+            kept.append(kept[-1] + coded(w[t] - kept[-1], bits, block, bf16))
+        rows[f"{bits}-bit codes of the changes, fed back ({name})"] = kept.__getitem__
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     print(f"\nerror of the copy computed with, in units of one step's change (steps 10-{args.steps}; last 50)")
     print("| copy | RMS | RMS, last 50 | largest | largest, last 50 |\n|---|---:|---:|---:|---:|")
