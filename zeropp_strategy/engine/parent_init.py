@@ -65,8 +65,9 @@ class ParentInits:
 
     def _run(self, p: nn.Module, init: Callable[[nn.Module], None],
              whole: Callable[[nn.Module, set[str]], Any]) -> None:
-        slots = [(m, kind, name) for m in p.modules() if m is not p
-                 for kind in ("_parameters", "_buffers") for name, t in getattr(m, kind).items() if t is not None]
+        slots = [s for m in p.modules() if m is not p for s in _slots(m)]
+        if not any(id(_get(s)) in self.drawn for s in slots):  # all read from a folder (or real): no probe
+            return
         written, seen = _written(p, init, slots), set()
         touched = []
         for s in written:  # a tensor tied into two slots is made whole once
@@ -90,7 +91,7 @@ class ParentInits:
                     by_module.setdefault(id(m), (m, set()))[1].add(name)
             for m, names in by_module.values():
                 stack.enter_context(whole(m, names))
-            stack.enter_context(_stand_ins([s for s in slots if (id(s[0]), s[1], s[2]) not in keep] + _own(p)))
+            stack.enter_context(_stand_ins([s for s in slots if (id(s[0]), s[1], s[2]) not in keep] + _slots(p)))
             init(p)
 
 
@@ -99,8 +100,9 @@ def _get(slot: Slot) -> torch.Tensor:
     return getattr(m, kind)[name]
 
 
-def _own(p: nn.Module) -> list[Slot]:
-    return [(p, kind, name) for kind in ("_parameters", "_buffers") for name, t in getattr(p, kind).items()
+def _slots(m: nn.Module) -> list[Slot]:
+    """``m``'s own parameters and buffers (not its children's)."""
+    return [(m, kind, name) for kind in ("_parameters", "_buffers") for name, t in getattr(m, kind).items()
             if t is not None]
 
 
@@ -151,7 +153,7 @@ def _written(p: nn.Module, init: Callable[[nn.Module], None], slots: list[Slot])
     """The slots of ``p``'s descendants that ``init(p)`` writes, found on meta stand-ins."""
     state = torch.get_rng_state()  # a draw on the CPU copied into a stand-in must not count
     try:
-        with _stand_ins(slots + _own(p)) as keys, _Writes() as writes:
+        with _stand_ins(slots + _slots(p)) as keys, _Writes() as writes:
             init(p)
     finally:
         torch.set_rng_state(state)
