@@ -21,7 +21,6 @@ shrinks with the learning rate; codes of the weights are not.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 
@@ -39,16 +38,13 @@ def coded(x: torch.Tensor, bits: int, block: int, bf16_scales: bool = False) -> 
 
 def trajectory(steps: int, seed: int) -> torch.Tensor:
     """(steps + 1, n) samples of the flat weights, before training and after each step."""
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from benchmarks.zeropp_convergence import GPT  # the benchmark's own model, optimizer and schedule
 
-    torch.manual_seed(seed)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=512, n_positions=128,
-                                       bos_token_id=0, eos_token_id=0))
-    model.loss_type = "ForCausalLM"
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-    warm = max(1, steps // 10)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (s + 1) / warm if s < warm else
-                                              0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, (s - warm) / (steps - warm)))))
+    module = GPT(seed, steps)
+    module.configure_model()  # seeds the generator itself, then builds the model for real
+    model = module.model
+    schedule = module.configure_optimizers()
+    opt, sched = schedule["optimizer"], schedule["lr_scheduler"]["scheduler"]
     data = torch.utils.data.DataLoader(corpus(128, 512), batch_size=16, shuffle=True,
                                        generator=torch.Generator().manual_seed(seed))
     sample = lambda: torch.cat([p.detach().reshape(-1)[:4096] for p in model.parameters()])  # noqa: E731
