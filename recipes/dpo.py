@@ -118,6 +118,19 @@ class DPOModule(PairDatasetModule):
         export_causal_lm(self.policy, directory, tokenizer=self.tokenizer)
 
     def _step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
+        loss, chosen, rejected = self._pair_losses(batch, stage)
+        pairs = chosen.shape[0]
+        self.log(f"{stage}_loss", loss, sync_dist=True, prog_bar=stage == "train", batch_size=pairs)
+        self.log(f"{stage}_accuracy", (chosen > rejected).float().mean(), sync_dist=True, prog_bar=True,
+                 batch_size=pairs)
+        self.log(f"{stage}_margin", (chosen - rejected).mean(), sync_dist=True, batch_size=pairs)
+        return loss
+
+    def _pair_losses(self, batch: dict[str, torch.Tensor],
+                    stage: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The DPO loss of ``batch`` (chosen rows, then rejected) and each pair's implicit
+        rewards of the chosen and the rejected response; logs nothing, so it runs outside a
+        Trainer too. ``stage`` picks the precomputed reference's split."""
         assert self.policy is not None and (self.reference is not None or self.reference_logps)
         policy = sequence_logprobs(self.policy, batch)
         if self.reference_logps:
@@ -127,11 +140,4 @@ class DPOModule(PairDatasetModule):
             with torch.no_grad():
                 reference = sequence_logprobs(self.reference, batch)
         half = policy.shape[0] // 2
-        loss, chosen, rejected = ops.dpo_loss(policy[:half], policy[half:], reference[:half], reference[half:],
-                                              beta=self.beta)
-        pairs = half
-        self.log(f"{stage}_loss", loss, sync_dist=True, prog_bar=stage == "train", batch_size=pairs)
-        self.log(f"{stage}_accuracy", (chosen > rejected).float().mean(), sync_dist=True, prog_bar=True,
-                 batch_size=pairs)
-        self.log(f"{stage}_margin", (chosen - rejected).mean(), sync_dist=True, batch_size=pairs)
-        return loss
+        return ops.dpo_loss(policy[:half], policy[half:], reference[:half], reference[half:], beta=self.beta)

@@ -87,7 +87,7 @@ def test_dpo_starts_at_log2_and_keeps_the_reference_frozen_and_in_eval(tmp_path)
     batch = next(iter(module.train_dataloader()))
     module.eval()
     with torch.no_grad():  # policy == reference at the start: every implicit reward is 0
-        assert module._step(batch, "val").item() == pytest.approx(0.6931, abs=1e-4)
+        assert module._pair_losses(batch, "val")[0].item() == pytest.approx(0.6931, abs=1e-4)
     # Response log-probs count the response tokens only (mask from lengths).
     lp = sequence_logprobs(module.policy, batch)
     assert lp.shape == (16,) and (lp < 0).all()
@@ -187,8 +187,8 @@ def test_dpo_precomputed_reference_matches_the_live_one_and_frees_the_model(tmp_
     batch = next(iter(cached.val_dataloader()))
     assert torch.equal(batch["index"], torch.arange(4))
     with torch.no_grad():
-        torch.testing.assert_close(cached._step(batch, "val"), live._step(batch, "val"))
-        torch.testing.assert_close(cached._step(batch, "val"), torch.tensor(math.log(2.0)))
+        torch.testing.assert_close(cached._pair_losses(batch, "val")[0], live._pair_losses(batch, "val")[0])
+        torch.testing.assert_close(cached._pair_losses(batch, "val")[0], torch.tensor(math.log(2.0)))
     trainer = _trainer(tmp_path, 3)
     trainer.fit(cached)
     assert torch.isfinite(trainer.callback_metrics["train_loss"])
