@@ -362,6 +362,12 @@ def _delta_lines(results_dir: Path) -> list[str]:
                   "projections were drawn with std 0.02 instead of GPT-2's 0.02 / sqrt(2 n_layer), which DDP's "
                   "and DeepSpeed's real builds have (docs/changes.md, 2026-11-28). The step times and bytes "
                   "do not depend on it."]
+    else:
+        lines += ["", "The losses after 16 steps compare our systems with each other (all build the model in "
+                  "`configure_model()` on the meta device: one init), not with DDP's and DeepSpeed's real builds: "
+                  "on meta a Hugging Face model gets its own init's distributions but not a real build's draws "
+                  "(docs/strategy.md, \"Meta-device initialisation\"), so ours start from other values. The "
+                  "200-step losses, over 6 seeds, are docs/zeropp.md's."]
     return lines + ["", "Targets and what limits them on 2 cores: docs/zeropp.md, \"Weight deltas\"."]
 
 
