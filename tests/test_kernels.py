@@ -46,7 +46,7 @@ from zeropp_strategy.kernels.reference import (
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 NUMELS = (1, 7, 255, 256, 1000, 4097)
 BLOCKS = (32, 256)
-BITS = (8, 4)
+BITS = (8, 4, 2)
 _TRITON_TIMEOUT_S = 300  # the whole subprocess; it takes about 20 s on 2 idle cores
 
 
@@ -155,17 +155,32 @@ def _triton_cases() -> dict[str, Callable[[], None]]:
                 cases[name] = lambda name=name, n=n, b=b, bits=bits, dtype=DTYPES[dname]: _check_roundtrip(
                     _randn(name, n, dtype), b, bits
                 )
-    for bits in BITS:
+    @case("ties-odd-levels-int2")
+    def _():
+        # 2 bits: the odd level nearest x / scale, an even x / scale (a tie) going up; three
+        # blocks of 32 with scale 1, 2^-7 and 2^5 (absmax 3 times that)
+        one = torch.tensor(([3.0, -3.0, -2.0, 2.0, 0.0, -0.0, 1.0, -1.0, 0.5, -0.5, 1.5, -1.5, 2.5, -2.5,
+                             2.0 - 2.0**-22, -2.0 + 2.0**-22] + [0.0] * 32)[:32])
+        x = torch.cat([one, one * 2.0**-7, -one * 2.0**5])
+        _check_roundtrip(x, 32, 2)
+        codes, scales = _dev("quantize", x, 32, 2)
+        assert torch.equal(scales, torch.tensor([1.0, 2.0**-7, 2.0**5]))
+        levels = dequantize_ref(codes, scales, 32, 96, 2)[:32]
+        _assert_equal("tie levels", levels, (2 * torch.floor(x[:32] / 2) + 1).clamp(-3, 3))
+        assert levels[2] == -1 and levels[3] == 3 and levels[4] == 1  # -2 -> -1, 2 -> 3, 0 -> +1
 
-        @case(f"ties-round-half-even-int{bits}")
-        def _(bits=bits):
-            x = _ties(bits)
-            _check_roundtrip(x, 32, bits)
-            codes = _dev("quantize", x, 32, bits)[0]
-            codes = unpack_int4(codes) if bits == 4 else codes
-            want = torch.round(x[:32]).to(torch.int8)  # scale 1 in the first block
-            _assert_equal("tie codes", codes[:32], want)
-            assert int(codes[1 + _tie_ks(bits).index(0)]) == 0  # +0.5 -> 0, not 1
+    for bits in BITS:
+        if bits != 2:  # 2 bits round to odd levels: ties-odd-levels-int2 above
+
+            @case(f"ties-round-half-even-int{bits}")
+            def _(bits=bits):
+                x = _ties(bits)
+                _check_roundtrip(x, 32, bits)
+                codes = _dev("quantize", x, 32, bits)[0]
+                codes = unpack_int4(codes) if bits == 4 else codes
+                want = torch.round(x[:32]).to(torch.int8)  # scale 1 in the first block
+                _assert_equal("tie codes", codes[:32], want)
+                assert int(codes[1 + _tie_ks(bits).index(0)]) == 0  # +0.5 -> 0, not 1
 
         @case(f"zero-blocks-int{bits}")
         def _(bits=bits):
@@ -390,12 +405,16 @@ def test_ptx_uses_exact_arithmetic():
     if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 4):
         pytest.skip("ASTSource signature format of triton >= 3.4")
     common = {"BLOCK_ELEMS": 256, "ROWS": 16, "W": 256}  # 4096 elements, 8 warps: 16 per thread
-    ptx = _compile_ptx(
-        "_quantize_kernel",
-        {"x_ptr": "*bf16", "order_ptr": "*i64", "codes_ptr": "*i8", "scales_ptr": "*fp32",
-         "chunk_elems": "i32", "blocks_per_chunk": "i32", "total_blocks": "i32"},
-        {"HAS_ORDER": False, "QMAX": 127, "BITS": 8, "BF16_SCALES": False} | common,
-    )  # fmt: skip
+
+    def quantize_ptx(x: str, codes: str, bits: int, bf16_scales: bool) -> str:
+        return _compile_ptx(
+            "_quantize_kernel",
+            {"x_ptr": x, "order_ptr": "*i64", "codes_ptr": codes, "scales_ptr": "*fp32",
+             "chunk_elems": "i32", "blocks_per_chunk": "i32", "total_blocks": "i32"},
+            {"HAS_ORDER": False, "QMAX": QMAX[bits], "BITS": bits, "BF16_SCALES": bf16_scales} | common,
+        )  # fmt: skip
+
+    ptx = quantize_ptx("*bf16", "*i8", 8, False)
     assert "div.full" not in ptx and "div.approx" not in ptx and "fma." not in ptx
     assert ptx.count("div.rn.f32") >= 16 and ptx.count("add.rn.f32") >= 32
     assert "ld.global.v4" in ptx and "st.global.v4" in ptx and ".local" not in ptx
@@ -408,6 +427,11 @@ def test_ptx_uses_exact_arithmetic():
     )  # fmt: skip
     assert "div.full" not in ptx and "div.approx" not in ptx and "fma." not in ptx
     assert "mul.rn.f32" in ptx and "div.rn.f32" in ptx
+    # 2 bits (zeropp_delta's weight deltas): the same exact division and rounding trick, four
+    # codes packed per byte, in registers
+    ptx = quantize_ptx("*fp32", "*u8", 2, True)
+    assert "div.full" not in ptx and "div.approx" not in ptx and "fma." not in ptx
+    assert ptx.count("div.rn.f32") >= 16 and ptx.count("add.rn.f32") >= 32 and ".local" not in ptx
 
 
 # -- the dispatch API (in process: CPU tensors take the torch path) ---------------------------

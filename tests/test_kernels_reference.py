@@ -91,7 +91,7 @@ def test_round_up_to_bf16_edges():
     assert torch.equal(got[:8], got[:8].to(torch.bfloat16).float())
 
 
-@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("bits", [8, 4])  # 2 bits round to odd levels: their own tie test
 def test_reference_ties_round_half_to_even(bits):
     codes, scales = quantize_ref(_ties(bits), 32, bits)
     codes = unpack_int4(codes) if bits == 4 else codes

@@ -26,8 +26,9 @@ run costs one command. The driver:
    tests      every test that skips without CUDA (tests/test_kernels.py's CUDA       100 s
               cases and the sm_90 PTX check), and FSDP2's private names on this torch
    kernels    qwZ/qgZ quantize, dequantize and the fused kernels, int8/int4,          45 s
-              bf16/fp16, 1M-256M elements: GB/s from counted bytes against the
-              copy bandwidth, and bit-equality with the torch reference
+              bf16/fp16, 1M-256M elements (then 2 bits, bf16, while the budget
+              lasts): GB/s from counted bytes against the copy bandwidth, and
+              bit-equality with the torch reference
    one_gpu    a ~1B Llama in bf16-mixed under the Trainer: plain training,           230 s
               zeropp_stage_3 and zeropp_offload at world size 1 (tokens/s, MFU)
    two_ranks  2 ranks on the one GPU: NCCL first, then whatever backend works;       45 s

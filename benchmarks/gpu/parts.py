@@ -119,7 +119,8 @@ def part_kernels(args: argparse.Namespace, budget: Budget) -> dict:
     cuda = _cuda(args.dry_run)
     device = torch.device("cuda" if cuda else "cpu")
     cfg = ZeroConfig()
-    blocks = {8: cfg.weight_quant_block_elems, 4: cfg.gradient_quant_block_elems}  # qwZ int8, qgZ int4 defaults
+    # qwZ int8, qgZ int4 defaults; 2 bits: zeropp_delta's weight deltas, in qwZ's blocks
+    blocks = {8: cfg.weight_quant_block_elems, 4: cfg.gradient_quant_block_elems, 2: cfg.weight_quant_block_elems}
     if cuda:
         # the sizes the 0.8-of-copy target is about first, in case the budget runs out
         sizes, ops, dtypes = [2**26, 2**28, 2**20, 2**24], bk.OPS, ("bfloat16", "float16")
@@ -127,29 +128,31 @@ def part_kernels(args: argparse.Namespace, budget: Budget) -> dict:
         sizes, ops, dtypes = [2**16], bk.OPS[:2], ("bfloat16",)
     copy_gbps = _env_result(args).get("copy_GBps")
     rows, skipped = [], 0
-    for dtype in dtypes:
-        for numel in sizes:
-            for bits in (8, 4):
-                for op in ops:
-                    if budget.left() < 8:
-                        skipped += 1
-                        continue
-                    nbytes, fns, check = bk._op_setup(op, numel, blocks[bits], bits, getattr(torch, dtype), device)
-                    row = {"op": op, "numel": numel, "bits": bits, "block_elems": blocks[bits], "dtype": dtype,
-                           "bytes": nbytes}
-                    for backend, fn in fns.items():
-                        ms = bk._time_ms(fn, device)
-                        row[f"{backend}_ms"], row[f"{backend}_GBps"] = ms, float(f"{nbytes / ms / 1e6:.4g}")
-                    if check is not None:
-                        row["exact"] = bool(check())
-                    if copy_gbps:
-                        best = row.get("triton_GBps", row["torch_GBps"])
-                        row["of_copy"] = float(f"{best / copy_gbps:.3g}")
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
-                    del fns, check
-                    if cuda:
-                        torch.cuda.empty_cache()
+    # int8 and int4 first, every dtype; the 2-bit cells (the first dtype only) last, so that a
+    # short budget drops them rather than the cells earlier leases measured
+    cells = [(dtype, numel, bits) for dtype in dtypes for numel in sizes for bits in (8, 4)]
+    cells += [(dtypes[0], numel, 2) for numel in sizes]
+    for dtype, numel, bits in cells:
+        for op in ops:
+            if budget.left() < 8:
+                skipped += 1
+                continue
+            nbytes, fns, check = bk._op_setup(op, numel, blocks[bits], bits, getattr(torch, dtype), device)
+            row = {"op": op, "numel": numel, "bits": bits, "block_elems": blocks[bits], "dtype": dtype,
+                   "bytes": nbytes}
+            for backend, fn in fns.items():
+                ms = bk._time_ms(fn, device)
+                row[f"{backend}_ms"], row[f"{backend}_GBps"] = ms, float(f"{nbytes / ms / 1e6:.4g}")
+            if check is not None:
+                row["exact"] = bool(check())
+            if copy_gbps:
+                best = row.get("triton_GBps", row["torch_GBps"])
+                row["of_copy"] = float(f"{best / copy_gbps:.3g}")
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            del fns, check
+            if cuda:
+                torch.cuda.empty_cache()
     backend = "triton" if any("triton_GBps" in r for r in rows) else "torch"
     big = [r for r in rows if r["numel"] >= 2**26 and "of_copy" in r]
     r = {"rows": rows, "backend": backend, "copy_GBps": copy_gbps, "cells_not_run": skipped}

@@ -26,8 +26,7 @@ tests/test_kernels.py), so which one a rank used never changes what its peers re
 triton is imported on first Triton dispatch only, so this package imports without it.
 
 Arguments are checked the same way on both paths, before any kernel runs: ``bits`` is 8, 4
-or 2 (2-bit codes, for qwZ's weight deltas and 2-bit gradients across nodes, run the torch
-path on every device),
+or 2 (2-bit codes: qwZ's weight deltas and 2-bit gradients across nodes),
 ``block_elems`` a power of two in 32..65536 (what the kernels support and what ZeroConfig
 accepts), codes are int8 (bits=8) or uint8 (bits=4, 2) with fp32 scales, and the buffers cover
 ``numel``. So a call that works on CPU also works on a GPU, and a wrong buffer is an error
@@ -111,10 +110,7 @@ def kernel_backend(t: torch.Tensor) -> str:
     return "triton" if t.is_cuda and _triton_importable() else "torch"
 
 
-def _on_triton(t: torch.Tensor, bits: int) -> bool:
-    """Whether a call at ``bits`` with ``t`` as first tensor runs a Triton kernel: 2-bit codes
-    have none, and take the torch path on every device."""
-    return bits != 2 and kernel_backend(t) == "triton"
+
 
 
 def _triton():
@@ -127,13 +123,13 @@ def quantize(
     x: torch.Tensor, block_elems: int, bits: int = 8, *, bf16_scales: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x (any shape, float) -> (codes, scales): codes int8 [padded] (bits=8) or uint8
-    [padded // 2] (bits=4, two per byte) or [padded // 4] (bits=2, four levels, torch path
-    only), scales fp32 [num_blocks]; padded = numel rounded up
+    [padded // 2] (bits=4, two per byte) or [padded // 4] (bits=2, four levels, four per
+    byte), scales fp32 [num_blocks]; padded = numel rounded up
     to whole blocks. ``bf16_scales``: every scale rounded up to a bf16 value before the codes
     are computed, for a payload that sends it in 2 bytes ([Note: quantization conventions])."""
     check_quant_args(block_elems, bits)
     check_input(x)
-    if _on_triton(x, bits):
+    if kernel_backend(x) == "triton":
         return _triton().quantize_triton(x, block_elems, bits, bf16_scales=bf16_scales)
     return quantize_ref(x, block_elems, bits, bf16_scales=bf16_scales)
 
@@ -157,7 +153,7 @@ def dequantize(
     if out is not None:
         check_out(out, numel, codes.device)
         flat = out.view(-1)
-    if _on_triton(codes, bits):
+    if kernel_backend(codes) == "triton":
         result = _triton().dequantize_triton(codes, scales, block_elems, numel, bits, dtype, out=flat)
     else:
         result = dequantize_ref(codes, scales, block_elems, numel, bits, dtype, out=flat)
@@ -204,7 +200,7 @@ def swizzle_quantize(
     check_quant_args(block_elems, bits)
     check_input(x)
     n_chunks = check_chunks(x.numel(), chunk_elems)
-    if _on_triton(x, bits):
+    if kernel_backend(x) == "triton":
         return _triton().swizzle_quantize_triton(x, order, chunk_elems, block_elems, bits)
     if isinstance(order, torch.Tensor):
         order = order.tolist()
@@ -229,6 +225,6 @@ def dequant_reduce_quantize(
     check_quantized(codes, scales, block_elems, numel, bits, sources=sources)
     kw = dict(sources=sources, numel=numel, block_elems=block_elems, bits=bits, requantize=requantize,
               bf16_scales=bf16_scales)
-    if _on_triton(codes, bits):
+    if kernel_backend(codes) == "triton":
         return _triton().dequant_reduce_quantize_triton(codes, scales, **kw)
     return dequant_reduce_quantize_ref(codes, scales, **kw)

@@ -20,8 +20,7 @@ the oracle for the Triton kernels.
   clamped to [-3, 3].
 - int4 packing: two codes per uint8, element 2i in the low nibble and 2i+1 in the high
   nibble, each stored as ``code + 8`` (0..15). 2-bit packing: four codes per uint8,
-  element 4i + k in bits 2k..2k+1, each stored as ``(level + 3) / 2`` (0..3). 2-bit codes
-  have no Triton kernel: this torch path runs them on every device.
+  element 4i + k in bits 2k..2k+1, each stored as ``(level + 3) / 2`` (0..3).
 - Error bound per element: half a step, |x - dequant(quant(x))| <= absmax(block) / (2 qmax)
   at 8 and 4 bits, absmax(block) / 3 (one scale: levels are two scales apart) at 2 bits.
 - bf16 scales (``bf16_scales=True``, for payloads that send each scale in 2 bytes): the
@@ -177,7 +176,7 @@ def _quantize_rows(src: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
         y.round_()
         lo, hi = -qmax, qmax
     # a subnormal or NaN scale: clamp and zero as specified (no-ops otherwise; on a GPU always,
-    # since reading the minimum back would stall the host: 2-bit codes run here on every device)
+    # since reading the minimum back would stall the host)
     if y.device.type != "cpu" or not float(safe.amin()) >= _TINY:
         y.clamp_(lo, hi)
         y[~(scales > 0)] = 0.0

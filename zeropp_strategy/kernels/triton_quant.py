@@ -76,14 +76,20 @@ _RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23; see [Note: bit-exact agree
 
 
 @triton.jit
-def _codes(x, scale, QMAX: tl.constexpr):
-    """x (ROWS, W) fp32, scale (ROWS,) fp32 -> int32 codes in [-QMAX, QMAX]."""
+def _codes(x, scale, QMAX: tl.constexpr, BITS: tl.constexpr):
+    """x (ROWS, W) fp32, scale (ROWS,) fp32 -> int32 codes: in [-QMAX, QMAX] at 8 and 4 bits;
+    at 2 bits f in [-2, 1], of the odd level 2 f + 1 nearest x / scale (a tie goes up)."""
     nonzero = scale > 0
     safe = tl.where(nonzero, scale, 1.0)
     y = tl.math.div_rn(x, safe[:, None])
-    y = (y + _RNE_MAGIC) - _RNE_MAGIC  # round half to even
-    y = tl.minimum(tl.maximum(y, -QMAX * 1.0), QMAX * 1.0)
-    y = tl.where(nonzero[:, None], y, 0.0)  # an all-zero block: scale 0, codes 0
+    if BITS == 2:  # f = floor(y / 2): halving is exact, and floor is the rounding below, less
+        v = y * 0.5  # one where it went up (no libdevice call, which the interpreter lacks)
+        r = (v + _RNE_MAGIC) - _RNE_MAGIC
+        y = tl.minimum(tl.maximum(tl.where(r > v, r - 1.0, r), -2.0), 1.0)
+    else:
+        y = (y + _RNE_MAGIC) - _RNE_MAGIC  # round half to even
+        y = tl.minimum(tl.maximum(y, -QMAX * 1.0), QMAX * 1.0)
+    y = tl.where(nonzero[:, None], y, 0.0)  # an all-zero block: scale 0, codes 0 (2 bits: level +1)
     return y.to(tl.int32)
 
 
@@ -103,10 +109,16 @@ def _store_codes(codes_ptr, e0, row_ok, q, ROWS: tl.constexpr, W: tl.constexpr, 
     if BITS == 8:
         offs = e0[:, None] + tl.arange(0, W)[None, :]
         tl.store(codes_ptr + offs, q.to(tl.int8), mask=row_ok[:, None])
-    else:  # int4: element 2i in the low nibble, 2i+1 in the high one, each as code + 8
+    elif BITS == 4:  # element 2i in the low nibble, 2i+1 in the high one, each as code + 8
         lo, hi = tl.split(tl.reshape(q + 8, [ROWS, W // 2, 2]))
         offs = e0[:, None] // 2 + tl.arange(0, W // 2)[None, :]
         tl.store(codes_ptr + offs, (lo | (hi << 4)).to(tl.uint8), mask=row_ok[:, None])
+    else:  # 2 bits: element 4i + k in bits 2k..2k+1, each as f + 2; k = 2a + b in (a, b) below
+        even, odd = tl.split(tl.reshape(q + 2, [ROWS, W // 4, 2, 2]))  # b = 0 (k = 0, 2), b = 1
+        c0, c2 = tl.split(even)
+        c1, c3 = tl.split(odd)
+        offs = e0[:, None] // 4 + tl.arange(0, W // 4)[None, :]
+        tl.store(codes_ptr + offs, (c0 | (c1 << 2) | (c2 << 4) | (c3 << 6)).to(tl.uint8), mask=row_ok[:, None])
 
 
 @triton.jit
@@ -115,11 +127,18 @@ def _load_codes(codes_ptr, e0, row_ok, ROWS: tl.constexpr, W: tl.constexpr, BITS
     if BITS == 8:
         offs = e0[:, None] + tl.arange(0, W)[None, :]
         return tl.load(codes_ptr + offs, mask=row_ok[:, None], other=0).to(tl.float32)
-    else:
+    elif BITS == 4:
         offs = e0[:, None] // 2 + tl.arange(0, W // 2)[None, :]
         b = tl.load(codes_ptr + offs, mask=row_ok[:, None], other=0x88).to(tl.int32)
         q = tl.join((b & 0xF) - 8, (b >> 4) - 8)  # (ROWS, W // 2, 2): (low, high) pairs
         return tl.reshape(q, [ROWS, W]).to(tl.float32)
+    else:  # 2 bits: the levels 2 c - 3 of the stored c, unpacked as _store_codes packed them
+        offs = e0[:, None] // 4 + tl.arange(0, W // 4)[None, :]
+        b = tl.load(codes_ptr + offs, mask=row_ok[:, None], other=0xAA).to(tl.int32)
+        even = tl.join(b & 3, (b >> 4) & 3)  # k = 0, 2
+        odd = tl.join((b >> 2) & 3, (b >> 6) & 3)  # k = 1, 3
+        q = tl.reshape(tl.join(even, odd), [ROWS, W])  # (ROWS, W // 4, 2, 2) as (a, b), k = 2a + b
+        return (q * 2 - 3).to(tl.float32)
 
 
 @triton.jit
@@ -178,7 +197,7 @@ def _quantize_kernel(
     if W == BLOCK_ELEMS:  # whole blocks in registers: read once
         x = _load_x(x_ptr, src0, valid, row_ok, 0, W)
         scale = _scale_of(tl.max(tl.abs(x), axis=1), QMAX, BF16_SCALES)
-        _store_codes(codes_ptr, e0, row_ok, _codes(x, scale, QMAX), ROWS, W, BITS)
+        _store_codes(codes_ptr, e0, row_ok, _codes(x, scale, QMAX, BITS), ROWS, W, BITS)
     else:  # ROWS == 1, a long block: absmax pass, then codes pass
         absmax = tl.zeros([ROWS], dtype=tl.float32)
         for c0 in range(0, BLOCK_ELEMS, W):
@@ -187,7 +206,7 @@ def _quantize_kernel(
         scale = _scale_of(absmax, QMAX, BF16_SCALES)
         for c0 in range(0, BLOCK_ELEMS, W):
             x = _load_x(x_ptr, src0, valid, row_ok, c0, W)
-            _store_codes(codes_ptr, e0 + c0, row_ok, _codes(x, scale, QMAX), ROWS, W, BITS)
+            _store_codes(codes_ptr, e0 + c0, row_ok, _codes(x, scale, QMAX, BITS), ROWS, W, BITS)
     tl.store(scales_ptr + blk, scale, mask=row_ok)
 
 
@@ -358,7 +377,7 @@ def _dequant_reduce_quantize_kernel(
         acc = _sum_sources(codes_ptr, scales_ptr, blk, e0, row_ok, numel, sources,
                            codes_per_source, scales_per_source, ROWS, W, BITS)  # fmt: skip
         scale = _scale_of(tl.max(tl.abs(acc), axis=1), QMAX, BF16_SCALES)
-        _store_codes(out_codes_ptr, e0, row_ok, _codes(acc, scale, QMAX), ROWS, W, BITS)
+        _store_codes(out_codes_ptr, e0, row_ok, _codes(acc, scale, QMAX, BITS), ROWS, W, BITS)
         tl.store(out_scales_ptr + blk, scale, mask=row_ok)
     else:  # a long block: sum twice (absmax, then codes) rather than spill the fp32 sum
         absmax = tl.zeros([ROWS], dtype=tl.float32)
@@ -370,7 +389,7 @@ def _dequant_reduce_quantize_kernel(
         for c0 in range(0, BLOCK_ELEMS, W):
             acc = _sum_sources(codes_ptr, scales_ptr, blk, e0 + c0, row_ok, numel, sources,
                                codes_per_source, scales_per_source, ROWS, W, BITS)  # fmt: skip
-            _store_codes(out_codes_ptr, e0 + c0, row_ok, _codes(acc, scale, QMAX), ROWS, W, BITS)
+            _store_codes(out_codes_ptr, e0 + c0, row_ok, _codes(acc, scale, QMAX, BITS), ROWS, W, BITS)
         tl.store(out_scales_ptr + blk, scale, mask=row_ok)
 
 
