@@ -127,7 +127,7 @@ class DPOModule(PairDatasetModule):
         return loss
 
     def _pair_losses(self, batch: dict[str, torch.Tensor],
-                    stage: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     stage: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The DPO loss of ``batch`` (chosen rows, then rejected) and each pair's implicit
         rewards of the chosen and the rejected response; logs nothing, so it runs outside a
         Trainer too. ``stage`` picks the precomputed reference's split."""

@@ -160,7 +160,7 @@ def _triton_cases() -> dict[str, Callable[[], None]]:
         # 2 bits: the odd level nearest x / scale, an even x / scale (a tie) going up; three
         # blocks of 32 with scale 1, 2^-7 and 2^5 (absmax 3 times that)
         one = torch.tensor(([3.0, -3.0, -2.0, 2.0, 0.0, -0.0, 1.0, -1.0, 0.5, -0.5, 1.5, -1.5, 2.5, -2.5,
-                             2.0 - 2.0**-22, -2.0 + 2.0**-22] + [0.0] * 32)[:32])
+                             2.0 - 2.0**-22, -2.0 + 2.0**-22, -3e-39, 3e-39] + [0.0] * 32)[:32])  # subnormal y / 2
         x = torch.cat([one, one * 2.0**-7, -one * 2.0**5])
         _check_roundtrip(x, 32, 2)
         codes, scales = _dev("quantize", x, 32, 2)
@@ -168,6 +168,7 @@ def _triton_cases() -> dict[str, Callable[[], None]]:
         levels = dequantize_ref(codes, scales, 32, 96, 2)[:32]
         _assert_equal("tie levels", levels, (2 * torch.floor(x[:32] / 2) + 1).clamp(-3, 3))
         assert levels[2] == -1 and levels[3] == 3 and levels[4] == 1  # -2 -> -1, 2 -> 3, 0 -> +1
+        assert levels[16] == -1 and levels[17] == 1  # no flush to zero: -3e-39 -> -1
 
     for bits in BITS:
         if bits != 2:  # 2 bits round to odd levels: ties-odd-levels-int2 above
@@ -203,6 +204,29 @@ def _triton_cases() -> dict[str, Callable[[], None]]:
             x[100] = 1e6
             _check_roundtrip(x, 32, bits)
             _check_roundtrip(torch.full((40,), 65504.0, dtype=torch.float16), 32, bits)
+
+        @case(f"nan-blocks-int{bits}")
+        def _(bits=bits):
+            # a NaN makes its block's scale NaN and dequantizes the block to NaN on both back
+            # ends, so the non-finite checks downstream see it (tl.max alone would drop it)
+            x = _randn("nan", 32 * 4 + 9)
+            x[40] = float("nan")  # block 1
+            x[32 * 4 + 3] = float("nan")  # the partial last block
+            long = _randn("nan-long", 9000)
+            long[8191] = float("nan")  # a long block: the running absmax over the tile passes
+            for b, xs in ((32, x), (32, x.bfloat16()), (8192, long)):
+                got, want = _dev("quantize", xs, b, bits), quantize_ref(xs, b, bits)
+                _assert_equal("nan codes", got[0], want[0])
+                torch.testing.assert_close(got[1], want[1], rtol=0, atol=0, equal_nan=True)
+                assert want[1].isnan().sum() == (2 if b == 32 else 1), want[1]
+                d = _dev("dequantize", *want, b, xs.numel(), bits, torch.float32)
+                torch.testing.assert_close(d, dequantize_ref(*want, b, xs.numel(), bits), rtol=0, atol=0, equal_nan=True)
+            parts = [quantize_ref(x * (s + 1), 32, bits) for s in range(2)]
+            codes, scales = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+            kw = dict(sources=2, numel=x.numel(), block_elems=32, bits=bits)
+            got, want = _dev("dequant_reduce_quantize", codes, scales, **kw), dequant_reduce_quantize_ref(codes, scales, **kw)
+            _assert_equal("nan reduce codes", got[0], want[0])
+            torch.testing.assert_close(got[1], want[1], rtol=0, atol=0, equal_nan=True)
 
         @case(f"strided-2d-input-int{bits}")
         def _(bits=bits):
@@ -432,6 +456,7 @@ def test_ptx_uses_exact_arithmetic():
     ptx = quantize_ptx("*fp32", "*u8", 2, True)
     assert "div.full" not in ptx and "div.approx" not in ptx and "fma." not in ptx
     assert ptx.count("div.rn.f32") >= 16 and ptx.count("add.rn.f32") >= 32 and ".local" not in ptx
+    assert ".ftz" not in ptx  # the floor compares y / 2 with its rounding: a flushed subnormal would move a level
 
 
 # -- the dispatch API (in process: CPU tensors take the torch path) ---------------------------

@@ -118,8 +118,8 @@ def test_zero_block_has_zero_scale_and_codes():
 def test_2bit_codes_layout_bound_and_every_op(dname, block_elems):
     """2-bit codes (qwZ's weight deltas, 2-bit gradients across nodes): four per byte,
     element 4i + k in bits 2k..2k+1 as (level + 3) / 2; levels -3/-1/+1/+3 of absmax / 3,
-    each within one scale (absmax / 3, half the two-scale step) of its value; the torch
-    path on every device, the other ops take them as they take int4."""
+    each within one scale (absmax / 3, half the two-scale step) of its value; the other ops
+    take them as they take int4 (tests/test_kernels.py: the Triton kernels, bit for bit)."""
     x4 = torch.tensor([3.0, -3.0, 0.0, -1.5, 2.0, -2.0, 1.9, -0.1] + [0.0] * 24)
     codes, scales = quantize_ref(x4, 32, 2)
     assert scales.tolist() == [1.0]

@@ -110,9 +110,6 @@ def kernel_backend(t: torch.Tensor) -> str:
     return "triton" if t.is_cuda and _triton_importable() else "torch"
 
 
-
-
-
 def _triton():
     from zeropp_strategy.kernels import triton_quant
 

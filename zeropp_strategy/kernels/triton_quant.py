@@ -22,6 +22,11 @@ call dispatches here, so the package works where triton is absent.
   exactly ``torch.round``. It needs |y| < 2**22; here |y| <= 2 * qmax (|y| <= qmax except
   when the scale is subnormal and its rounding loses up to half a unit of its last place).
   Triton sets no fast-math (reassociation) flags, so the compiler cannot fold it to ``y``.
+- 2-bit floor. The level ``2 floor(y / 2) + 1`` takes its floor from the same rounding,
+  ``r = rne(y / 2)`` less one where ``r > y / 2``; halving is exact, and no step flushes a
+  subnormal (the PTX test checks for ``.ftz``).
+- NaN. A block holding a NaN has a NaN scale and codes 0 (at 2 bits, level +1), as the reference gives: the
+  absmax is reduced with a NaN-propagating maximum (``tl.max`` drops NaNs).
 - Fused multiply-add. ``dequant_reduce_quantize`` sums ``code * scale`` over sources; torch
   rounds the product, then the sum, and an FMA would round once. Every launch passes
   ``enable_fp_fusion=False`` (Triton 3.9 fuses by default).
@@ -91,6 +96,19 @@ def _codes(x, scale, QMAX: tl.constexpr, BITS: tl.constexpr):
         y = tl.minimum(tl.maximum(y, -QMAX * 1.0), QMAX * 1.0)
     y = tl.where(nonzero[:, None], y, 0.0)  # an all-zero block: scale 0, codes 0 (2 bits: level +1)
     return y.to(tl.int32)
+
+
+@triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _absmax(x):
+    """(ROWS, W) -> (ROWS,) largest |x| per row, NaN where a row holds one, as the reference's
+    amax: ``tl.max`` drops NaNs, which would give a block with a NaN a finite scale and turn
+    the NaN into a finite code, hiding it from the non-finite checks downstream."""
+    return tl.reduce(tl.abs(x), 1, _max_nan)
 
 
 @triton.jit
@@ -196,13 +214,13 @@ def _quantize_kernel(
 
     if W == BLOCK_ELEMS:  # whole blocks in registers: read once
         x = _load_x(x_ptr, src0, valid, row_ok, 0, W)
-        scale = _scale_of(tl.max(tl.abs(x), axis=1), QMAX, BF16_SCALES)
+        scale = _scale_of(_absmax(x), QMAX, BF16_SCALES)
         _store_codes(codes_ptr, e0, row_ok, _codes(x, scale, QMAX, BITS), ROWS, W, BITS)
     else:  # ROWS == 1, a long block: absmax pass, then codes pass
         absmax = tl.zeros([ROWS], dtype=tl.float32)
         for c0 in range(0, BLOCK_ELEMS, W):
             x = _load_x(x_ptr, src0, valid, row_ok, c0, W)
-            absmax = tl.maximum(absmax, tl.max(tl.abs(x), axis=1))
+            absmax = _max_nan(absmax, _absmax(x))
         scale = _scale_of(absmax, QMAX, BF16_SCALES)
         for c0 in range(0, BLOCK_ELEMS, W):
             x = _load_x(x_ptr, src0, valid, row_ok, c0, W)
@@ -376,7 +394,7 @@ def _dequant_reduce_quantize_kernel(
     elif W == BLOCK_ELEMS:  # whole blocks in registers: sum once
         acc = _sum_sources(codes_ptr, scales_ptr, blk, e0, row_ok, numel, sources,
                            codes_per_source, scales_per_source, ROWS, W, BITS)  # fmt: skip
-        scale = _scale_of(tl.max(tl.abs(acc), axis=1), QMAX, BF16_SCALES)
+        scale = _scale_of(_absmax(acc), QMAX, BF16_SCALES)
         _store_codes(out_codes_ptr, e0, row_ok, _codes(acc, scale, QMAX, BITS), ROWS, W, BITS)
         tl.store(out_scales_ptr + blk, scale, mask=row_ok)
     else:  # a long block: sum twice (absmax, then codes) rather than spill the fp32 sum
@@ -384,7 +402,7 @@ def _dequant_reduce_quantize_kernel(
         for c0 in range(0, BLOCK_ELEMS, W):
             acc = _sum_sources(codes_ptr, scales_ptr, blk, e0 + c0, row_ok, numel, sources,
                                codes_per_source, scales_per_source, ROWS, W, BITS)  # fmt: skip
-            absmax = tl.maximum(absmax, tl.max(tl.abs(acc), axis=1))
+            absmax = _max_nan(absmax, _absmax(acc))
         scale = _scale_of(absmax, QMAX, BF16_SCALES)
         for c0 in range(0, BLOCK_ELEMS, W):
             acc = _sum_sources(codes_ptr, scales_ptr, blk, e0 + c0, row_ok, numel, sources,
