@@ -25,8 +25,9 @@ call dispatches here, so the package works where triton is absent.
 - 2-bit floor. The level ``2 floor(y / 2) + 1`` takes its floor from the same rounding,
   ``r = rne(y / 2)`` less one where ``r > y / 2``; halving is exact, and no step flushes a
   subnormal (the PTX test checks for ``.ftz``).
-- NaN. A block holding a NaN has a NaN scale and codes 0 (at 2 bits, level +1), as the reference gives: the
-  absmax is reduced with a NaN-propagating maximum (``tl.max`` drops NaNs).
+- NaN. A block holding a NaN has a NaN scale and codes 0 (at 2 bits, level +1), as the
+  reference gives: ``_absmax`` flags the NaN itself (``tl.max`` drops NaNs), and the
+  running absmax of a long block keeps it (``_max_nan``).
 - Fused multiply-add. ``dequant_reduce_quantize`` sums ``code * scale`` over sources; torch
   rounds the product, then the sum, and an FMA would round once. Every launch passes
   ``enable_fp_fusion=False`` (Triton 3.9 fuses by default).
@@ -107,8 +108,13 @@ def _max_nan(a, b):
 def _absmax(x):
     """(ROWS, W) -> (ROWS,) largest |x| per row, NaN where a row holds one, as the reference's
     amax: ``tl.max`` drops NaNs, which would give a block with a NaN a finite scale and turn
-    the NaN into a finite code, hiding it from the non-finite checks downstream."""
-    return tl.reduce(tl.abs(x), 1, _max_nan)
+    the NaN into a finite code, hiding it from the non-finite checks downstream. A second
+    max over a NaN flag rather than ``tl.reduce`` with ``_max_nan``: the same values, and the
+    interpreter runs a custom combine several times slower (the CPU tests: 120 s against 35)."""
+    isnan = x != x
+    nan = tl.max(tl.where(isnan, 1.0, 0.0), axis=1) > 0
+    # the NaNs left out of the max: the interpreter's max warns on a row of NaNs only
+    return tl.where(nan, float("nan"), tl.max(tl.where(isnan, 0.0, tl.abs(x)), axis=1))
 
 
 @triton.jit
