@@ -110,7 +110,7 @@ def _absmax(x):
     amax: ``tl.max`` drops NaNs, which would give a block with a NaN a finite scale and turn
     the NaN into a finite code, hiding it from the non-finite checks downstream. A second
     max over a NaN flag rather than ``tl.reduce`` with ``_max_nan``: the same values, and the
-    interpreter runs a custom combine several times slower (the CPU tests: 120 s against 35)."""
+    interpreter runs a custom combine in Python (the CPU Triton cases: 121 s against 13 s)."""
     isnan = x != x
     nan = tl.max(tl.where(isnan, 1.0, 0.0), axis=1) > 0
     # the NaNs left out of the max: the interpreter's max warns on a row of NaNs only
