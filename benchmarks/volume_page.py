@@ -356,18 +356,11 @@ def _delta_lines(results_dir: Path) -> list[str]:
                         ("deepspeed_zero3", "200mbit/small/deepspeed_zero3"),
                         ("zeropp", "200mbit/small/zeropp"), ("zeropp_delta", "200mbit/small/zeropp_delta")):
         lines.append(_ratio_row(system, cell(mid, key), list(refs.values())))
-    if not all(d["meta"].get("meta_init_as_hf") for d in (slow, free, mid)):  # runs before 8340f32
-        lines += ["", "The loss columns compare unequal starts: our systems build the model in `configure_model()` "
-                  "on the meta device, and before commit 8340f32 that GPT-2's attention and MLP output "
-                  "projections were drawn with std 0.02 instead of GPT-2's 0.02 / sqrt(2 n_layer), which DDP's "
-                  "and DeepSpeed's real builds have (docs/changes.md, 2026-11-28). The step times and bytes "
-                  "do not depend on it."]
-    else:
-        lines += ["", "The losses after 16 steps compare our systems with each other (all build the model in "
-                  "`configure_model()` on the meta device: one init), not with DDP's and DeepSpeed's real builds: "
-                  "on meta a Hugging Face model gets its own init's distributions but not a real build's draws "
-                  "(docs/strategy.md, \"Meta-device initialisation\"), so ours start from other values. The "
-                  "200-step losses, over 6 seeds, are docs/zeropp.md's."]
+    lines += ["", "The losses after 16 steps compare our systems with each other (all build the model in "
+              "`configure_model()` on the meta device: one init), not with DDP's and DeepSpeed's real builds: "
+              "on meta a Hugging Face model gets its own init's distributions but not a real build's draws "
+              "(docs/strategy.md, \"Meta-device initialisation\"), so ours start from other values. The "
+              "200-step losses, over 6 seeds, are docs/zeropp.md's."]
     return lines + ["", "Targets and what limits them on 2 cores: docs/zeropp.md, \"Weight deltas\"."]
 
 

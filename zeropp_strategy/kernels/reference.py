@@ -14,9 +14,9 @@ the oracle for the Triton kernels.
   of zero would waste one of the four, and its step would be 1.5x coarser).
 - ``scale = absmax(block) / qmax`` computed in fp32; an all-zero block has scale 0 (and
   dequantizes to zeros); a block holding a NaN has a NaN scale and codes 0 (2 bits: level
-  +1), so it dequantizes to NaN everywhere and the non-finite checks downstream see it. At 8 and 4 bits ``code = round_half_to_even(x / scale)``
-  (torch.round; Triton uses ``rint``, the same IEEE rounding), clamped to [-qmax, qmax];
-  an all-zero block has codes 0. At 2 bits the level is the odd integer nearest
+  +1), so it dequantizes to NaN everywhere and the non-finite checks downstream see it.
+  At 8 and 4 bits ``code = round_half_to_even(x / scale)`` (torch.round; Triton uses
+  ``rint``, the same IEEE rounding), clamped to [-qmax, qmax]; an all-zero block has codes 0. At 2 bits the level is the odd integer nearest
   ``x / scale``, ``2 floor(x / (2 scale)) + 1`` (a tie, an even ``x / scale``, goes up),
   clamped to [-3, 3].
 - int4 packing: two codes per uint8, element 2i in the low nibble and 2i+1 in the high
