@@ -38,6 +38,7 @@ from zeropp_strategy.kernels.reference import (
     QMAX,
     dequant_reduce_quantize_ref,
     dequantize_ref,
+    padded_numel,
     quantize_ref,
     swizzle_quantize_ref,
     unpack_int4,
@@ -227,6 +228,38 @@ def _triton_cases() -> dict[str, Callable[[], None]]:
             got, want = _dev("dequant_reduce_quantize", codes, scales, **kw), dequant_reduce_quantize_ref(codes, scales, **kw)
             _assert_equal("nan reduce codes", got[0], want[0])
             torch.testing.assert_close(got[1], want[1], rtol=0, atol=0, equal_nan=True)
+
+        @case(f"inf-blocks-int{bits}")
+        def _(bits=bits):
+            # an infinity too gives its block a NaN scale and codes 0: with an infinite scale
+            # the infinity itself divides to NaN, whose integer code is unspecified (the back
+            # ends decoded it as -inf and +inf before the convention named it)
+            x = _randn("inf", 32 * 4 + 9)
+            x[40] = float("inf")  # block 1
+            x[32 * 4 + 3] = float("-inf")  # the partial last block
+            x[70] = 3e38  # block 2 finite, near the top of fp32: not flagged
+            long = _randn("inf-long", 9000)
+            long[8191] = float("-inf")
+            for b, xs in ((32, x), (32, x.bfloat16()), (8192, long)):
+                got, want = _dev("quantize", xs, b, bits), quantize_ref(xs, b, bits)
+                _assert_equal("inf codes", got[0], want[0])
+                torch.testing.assert_close(got[1], want[1], rtol=0, atol=0, equal_nan=True)
+                assert want[1].isnan().sum() == (2 if b == 32 else 1), want[1]
+                d = dequantize_ref(*want, b, xs.numel(), bits)
+                bad = torch.zeros(padded_numel(xs.numel(), b), dtype=torch.bool)
+                bad.view(-1, b)[want[1].isnan()] = True
+                assert d.isnan().equal(bad[: xs.numel()]), "a block with an infinity decodes to NaN, the rest finite"
+                got_d = _dev("dequantize", *want, b, xs.numel(), bits, torch.float32)
+                torch.testing.assert_close(got_d, d, rtol=0, atol=0, equal_nan=True)
+            # a fused sum that overflows fp32 gives an infinity, flagged the same way
+            big = torch.full((64,), 3e38)
+            parts = [quantize_ref(big, 32, bits) for _ in range(2)]
+            codes, scales = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+            kw = dict(sources=2, numel=64, block_elems=32, bits=bits)
+            got, want = _dev("dequant_reduce_quantize", codes, scales, **kw), dequant_reduce_quantize_ref(codes, scales, **kw)
+            _assert_equal("inf reduce codes", got[0], want[0])
+            torch.testing.assert_close(got[1], want[1], rtol=0, atol=0, equal_nan=True)
+            assert want[1].isnan().all(), want[1]
 
         @case(f"strided-2d-input-int{bits}")
         def _(bits=bits):

@@ -13,8 +13,10 @@ the oracle for the Triton kernels.
   the cross-node hop of 2-bit gradients, whose senders feed the rounding back: a level
   of zero would waste one of the four, and its step would be 1.5x coarser).
 - ``scale = absmax(block) / qmax`` computed in fp32; an all-zero block has scale 0 (and
-  dequantizes to zeros); a block holding a NaN has a NaN scale and codes 0 (2 bits: level
-  +1), so it dequantizes to NaN everywhere and the non-finite checks downstream see it.
+  dequantizes to zeros); a block holding a NaN or an infinity has a NaN scale and codes 0
+  (2 bits: level +1), so it dequantizes to NaN everywhere and the non-finite checks
+  downstream see it (an infinite scale would divide the infinity to NaN, whose integer
+  code neither torch nor Triton specifies: the two back ends decoded such a block apart).
   At 8 and 4 bits ``code = round_half_to_even(x / scale)`` (torch.round; Triton uses
   ``rint``, the same IEEE rounding), clamped to [-qmax, qmax]; an all-zero block has codes 0. At 2 bits the level is the odd integer nearest
   ``x / scale``, ``2 floor(x / (2 scale)) + 1`` (a tie, an even ``x / scale``, goes up),
@@ -166,6 +168,7 @@ def _quantize_rows(src: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
         src = y.copy_(src)
     torch.maximum(src.amax(dim=1), src.amin(dim=1).neg_(), out=scales)
     scales.abs_().div_(sc.qmax)  # abs: all -0.0 gives +0.0, as abs().amax() does
+    scales.masked_fill_(scales == float("inf"), float("nan"))  # an infinity: see the conventions
     if sc.bf16_scales:
         round_up_to_bf16(scales)
     safe = torch.where(scales == 0, 1.0, scales)  # NaN stays NaN: amin() below sees it

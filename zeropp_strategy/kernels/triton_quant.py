@@ -25,9 +25,9 @@ call dispatches here, so the package works where triton is absent.
 - 2-bit floor. The level ``2 floor(y / 2) + 1`` takes its floor from the same rounding,
   ``r = rne(y / 2)`` less one where ``r > y / 2``; halving is exact, and no step flushes a
   subnormal (the PTX test checks for ``.ftz``).
-- NaN. A block holding a NaN has a NaN scale and codes 0 (at 2 bits, level +1), as the
-  reference gives: ``_absmax`` flags the NaN itself (``tl.max`` drops NaNs), and the
-  running absmax of a long block keeps it (``_max_nan``).
+- NaN and infinities. A block holding a NaN or an infinity has a NaN scale and codes 0 (at
+  2 bits, level +1), as the reference gives: ``_absmax`` flags them itself (``tl.max``
+  drops NaNs), and the running absmax of a long block keeps the NaN (``_max_nan``).
 - Fused multiply-add. ``dequant_reduce_quantize`` sums ``code * scale`` over sources; torch
   rounds the product, then the sum, and an FMA would round once. Every launch passes
   ``enable_fp_fusion=False`` (Triton 3.9 fuses by default).
@@ -106,15 +106,18 @@ def _max_nan(a, b):
 
 @triton.jit
 def _absmax(x):
-    """(ROWS, W) -> (ROWS,) largest |x| per row, NaN where a row holds one, as the reference's
-    amax: ``tl.max`` drops NaNs, which would give a block with a NaN a finite scale and turn
-    the NaN into a finite code, hiding it from the non-finite checks downstream. A second
-    max over a NaN flag rather than ``tl.reduce`` with ``_max_nan``: the same values, and the
-    interpreter runs a custom combine in Python (the CPU Triton cases: 121 s against 13 s)."""
-    isnan = x != x
-    nan = tl.max(tl.where(isnan, 1.0, 0.0), axis=1) > 0
-    # the NaNs left out of the max: the interpreter's max warns on a row of NaNs only
-    return tl.where(nan, float("nan"), tl.max(tl.where(isnan, 0.0, tl.abs(x)), axis=1))
+    """(ROWS, W) -> (ROWS,) largest |x| per row, NaN where a row holds a NaN or an infinity, as
+    the reference's scales: ``tl.max`` drops NaNs, which would give a block with a NaN a finite
+    scale and turn the NaN into a finite code, hiding it from the non-finite checks
+    downstream; an infinite absmax would divide the infinity itself to NaN, whose code is
+    unspecified. A second max over a flag rather than ``tl.reduce`` with ``_max_nan``: the
+    same values, and the interpreter runs a custom combine in Python (the CPU Triton cases:
+    121 s against 13 s)."""
+    ax = tl.abs(x)
+    finite = ax < float("inf")  # false for NaN too
+    bad = tl.max(tl.where(finite, 0.0, 1.0), axis=1) > 0
+    # the non-finite left out of the max: the interpreter's max warns on a row of NaNs only
+    return tl.where(bad, float("nan"), tl.max(tl.where(finite, ax, 0.0), axis=1))
 
 
 @triton.jit
