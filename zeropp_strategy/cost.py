@@ -298,7 +298,7 @@ def cost(name: str, plan: Plan | None, model: ModelShape, cluster: Cluster, work
             e.gpu["hpz_secondary"] = C * P / hpz_group
         if delta:  # qwZ's kept copy of the shards of this local index on every node (frozen codes keep none)
             e.gpu["delta_copies"] = C * (T if frozen_bits else P) / L
-    if plan is not None and plan.error_feedback and stage >= 2:  # qgZ's kept errors: fp32, M chunks of T / N
+    if plan is not None and plan.error_feedback:  # qgZ (stage 2 or 3)'s kept errors: fp32, M chunks of T / N
         e.gpu["feedback_errors"] = 4 * T / L
     stepped_on_host = moved_down = 0.0  # optimizer state the host steps, gradient bytes copied down
     if opt_off != "none":
