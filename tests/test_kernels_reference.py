@@ -113,6 +113,40 @@ def test_zero_block_has_zero_scale_and_codes():
     assert torch.equal(dequantize_ref(codes, scales, 32, 70), torch.where(x != 0, 127 * s, 0.0))
 
 
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("bad", ("nan", "inf", "-inf"))
+def test_nonfinite_block_has_nan_scale_and_codes_zero(bad, bits):
+    """A block holding a NaN or an infinity: NaN scale, codes 0 (2 bits: level +1, stored as
+    2), so it decodes to NaN everywhere, on every path that quantizes; the other blocks are
+    untouched. On the CPU alone (the Triton cases check the kernels against this)."""
+    x = _randn("nonfinite", 32 * 4)
+    x[33] = float(bad)
+    x[64] = torch.finfo(torch.float32).max  # finite, at the top of fp32: not flagged
+    clean = x.clone()
+    clean[33] = 0.0
+    zero_code = {8: 0, 4: 0x88, 2: 0xAA}[bits]  # codes 0 (2 bits: level +1, stored as 2), packed
+    for bf16 in (False, True):
+        codes, scales = quantize_ref(x, 32, bits, bf16_scales=bf16)
+        _, want_scales = quantize_ref(clean, 32, bits, bf16_scales=bf16)
+        assert scales.isnan().tolist() == [False, True, False, False], scales
+        assert torch.equal(scales[[0, 2, 3]], want_scales[[0, 2, 3]])
+        per_block = codes.numel() // 4
+        block1 = codes[per_block : 2 * per_block].view(torch.uint8) if bits != 8 else codes[32:64]
+        assert (block1 == zero_code).all(), block1
+        d = dequantize_ref(codes, scales, 32, x.numel(), bits)
+        assert d[32:64].isnan().all() and not d[:32].isnan().any() and not d[64:].isnan().any()
+        # the fused sum: the other source finite (and block 2 small: two of fp32's largest overflow)
+        small = x.clone()
+        small[64] = 1.0
+        parts = [quantize_ref(small, 32, bits), quantize_ref(-small.nan_to_num(0.0, 0.0, 0.0), 32, bits)]
+        c2, s2 = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        _, rs = dequant_reduce_quantize_ref(c2, s2, sources=2, numel=x.numel(), block_elems=32, bits=bits,
+                                            bf16_scales=bf16)
+        assert rs.isnan().tolist() == [False, True, False, False], rs
+    _, ss = swizzle_quantize_ref(x, [1, 0], chunk_elems=64, block_elems=32, bits=bits)
+    assert ss.isnan().tolist() == [False, False, False, True], ss  # chunk 1's blocks first
+
+
 @pytest.mark.parametrize("block_elems", (32, 256))
 @pytest.mark.parametrize("dname", list(DTYPES))
 def test_2bit_codes_layout_bound_and_every_op(dname, block_elems):

@@ -35,7 +35,8 @@ the oracle for the Triton kernels.
   outside the relative bound; in a block whose absmax is within 2^-7 of fp32's largest
   value (above about 3.38e38), ``qmax`` times the rounded-up scale can overflow, and those codes
   then dequantize to +-inf (no scale reaches bf16's largest finite value, where
-  ``round_up_to_bf16`` would cap it: absmax / qmax <= fp32's largest / 3).
+  ``round_up_to_bf16`` would cap it: absmax / qmax <= fp32's largest / 3). With fp32
+  scales one value does the same at int8: fp32's largest (127 times its 127th rounds up).
 
 [Note: fast CPU reference]
 The functions here are the specification and, on CPU, the hot path of every qwZ/qgZ
