@@ -37,6 +37,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script:
 from benchmarks.bench_train import corpus  # noqa: E402  (the shipped text, folded into the vocab)
 from zeropp_strategy.comm.ledger import CommKind
 
+def _preset(name: str, **fields) -> dict:
+    """A preset's fields but the stage (every variant runs at stage 3), with ``fields`` over them."""
+    return {**{k: v for k, v in PRESETS[name].items() if k != "stage"}, **fields}
+
+
 VARIANTS = {
     "stage3": {},
     "qwZ": {"quantized_weights": True},
@@ -77,31 +82,39 @@ VARIANTS = {
                        "gradient_quant_block_elems": 256},
     # Beyond ZeRO++: int4 weight gathers in blocks of 64 (the zeropp_4bit preset); in blocks of 32
     # (finer scales: 0.625 bytes per element instead of 0.5625)
-    "zeropp_4bit": {k: v for k, v in PRESETS["zeropp_4bit"].items() if k != "stage"},
-    "zeropp_4bit_b32": {**{k: v for k, v in PRESETS["zeropp_4bit"].items() if k != "stage"},
-                        "weight_quant_block_elems": 32},
+    "zeropp_4bit": _preset("zeropp_4bit"),
+    "zeropp_4bit_b32": _preset("zeropp_4bit", weight_quant_block_elems=32),
     # Weight deltas (ZeroConfig.weight_delta_coding): codes of each shard's change since the
     # last gather, the sender's rounding fed back: the zeropp_delta preset (2-bit codes in
     # blocks of 256), and int4 codes in blocks of 64
-    "zeropp_delta": {k: v for k, v in PRESETS["zeropp_delta"].items() if k != "stage"},
+    "zeropp_delta": _preset("zeropp_delta"),
     # ... as the preset was until 2026-11-28, with fp32 block scales across nodes
-    "zeropp_delta_fp32_scales": {**{k: v for k, v in PRESETS["zeropp_delta"].items() if k != "stage"},
-                                 "cross_node_scale_bits": 32},
-    "zeropp_delta_int4": {**{k: v for k, v in PRESETS["zeropp_4bit"].items() if k != "stage"},
-                          "weight_delta_coding": True},
+    "zeropp_delta_fp32_scales": _preset("zeropp_delta", cross_node_scale_bits=32),
+    "zeropp_delta_int4": _preset("zeropp_4bit", weight_delta_coding=True),
+    # ... the preset with int4 changes instead of 2-bit ones, all else equal (blocks of 256,
+    # bf16 scales): the bit width alone
+    "zeropp_delta_int4_b256": _preset("zeropp_delta", weight_quant_bits=4),
+    # ... and int8 ones (a copy within 1/254 of a step's change)
+    "zeropp_delta_int8_b256": _preset("zeropp_delta", weight_quant_bits=8),
+    # ... int4 changes with qgZ's error feedback (LoCo, beta 0.8): does the feedback recover what
+    # the 2-bit changes' noise does for qgZ's rounding?
+    "zeropp_delta_int4_b256_ef": _preset("zeropp_delta", weight_quant_bits=4, gradient_error_feedback=True),
+    # ... and the preset itself with qgZ's error feedback (no byte more)
+    "zeropp_delta_ef": _preset("zeropp_delta", gradient_error_feedback=True),
+    # ... and with qgZ's first hop, inside the node, in int8 (cross-node bytes unchanged); qgZ
+    # alone the same way
+    "zeropp_delta_i8": _preset("zeropp_delta", gradient_quant_bits_intra=8),
+    "qgZ_i8": {"quantized_gradients": True, "gradient_quant_bits_intra": 8},
     # ... the preset's 2-bit changes in blocks of 64 (0.514x zeropp's bytes with bf16 scales)
-    "zeropp_delta_b64": {**{k: v for k, v in PRESETS["zeropp_delta"].items() if k != "stage"},
-                         "weight_quant_block_elems": 64},
+    "zeropp_delta_b64": _preset("zeropp_delta", weight_quant_block_elems=64),
     # the weight path alone (no qgZ): how much of a delta level's loss is its weights'
     "qwZ_delta": {k: v for k, v in PRESETS["zeropp_delta"].items() if k not in ("stage", "quantized_gradients")},
     # 2-bit gradient codes across nodes (int8 inside), their rounding fed back: classic feedback
     # (beta 0) and LoCo's average (beta 0.8); with weight deltas, and qgZ alone
-    "zeropp_delta_g2": {**{k: v for k, v in PRESETS["zeropp_delta"].items() if k != "stage"},
-                        "gradient_quant_bits": 2, "gradient_quant_bits_intra": 8, "gradient_error_feedback": True,
-                        "gradient_error_beta": 0.0},
-    "zeropp_delta_g2_loco": {**{k: v for k, v in PRESETS["zeropp_delta"].items() if k != "stage"},
-                             "gradient_quant_bits": 2, "gradient_quant_bits_intra": 8,
-                             "gradient_error_feedback": True},
+    "zeropp_delta_g2": _preset("zeropp_delta", gradient_quant_bits=2, gradient_quant_bits_intra=8,
+                               gradient_error_feedback=True, gradient_error_beta=0.0),
+    "zeropp_delta_g2_loco": _preset("zeropp_delta", gradient_quant_bits=2, gradient_quant_bits_intra=8,
+                                    gradient_error_feedback=True),
     "qgZ_g2": {"quantized_gradients": True, "gradient_quant_bits": 2, "gradient_quant_bits_intra": 8,
                "gradient_error_feedback": True, "gradient_error_beta": 0.0},
 }
