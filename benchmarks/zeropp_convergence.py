@@ -94,10 +94,10 @@ VARIANTS = {
     # ... the preset with int4 changes instead of 2-bit ones, all else equal (blocks of 256,
     # bf16 scales): the bit width alone
     "zeropp_delta_int4_b256": _preset("zeropp_delta", weight_quant_bits=4),
-    # ... and int8 ones (a copy within 1/254 of a step's change)
+    # ... and int8 ones (each change rounded to within 1/254 of its block's largest)
     "zeropp_delta_int8_b256": _preset("zeropp_delta", weight_quant_bits=8),
-    # ... int4 changes with qgZ's error feedback (LoCo, beta 0.8): does the feedback recover what
-    # the 2-bit changes' noise does for qgZ's rounding?
+    # ... int4 changes with qgZ's error feedback (LoCo, beta 0.8): does the feedback alone
+    # remove qgZ's loss cost, as the 2-bit changes do on this benchmark?
     "zeropp_delta_int4_b256_ef": _preset("zeropp_delta", weight_quant_bits=4, gradient_error_feedback=True),
     # ... and the preset itself with qgZ's error feedback (no byte more)
     "zeropp_delta_ef": _preset("zeropp_delta", gradient_error_feedback=True),
