@@ -206,60 +206,42 @@ def _triton_cases() -> dict[str, Callable[[], None]]:
             _check_roundtrip(x, 32, bits)
             _check_roundtrip(torch.full((40,), 65504.0, dtype=torch.float16), 32, bits)
 
-        @case(f"nan-blocks-int{bits}")
-        def _(bits=bits):
-            # a NaN makes its block's scale NaN and dequantizes the block to NaN on both back
-            # ends, so the non-finite checks downstream see it (tl.max alone would drop it)
-            x = _randn("nan", 32 * 4 + 9)
-            x[40] = float("nan")  # block 1
-            x[32 * 4 + 3] = float("nan")  # the partial last block
-            long = _randn("nan-long", 9000)
-            long[8191] = float("nan")  # a long block: the running absmax over the tile passes
-            for b, xs in ((32, x), (32, x.bfloat16()), (8192, long)):
-                got, want = _dev("quantize", xs, b, bits), quantize_ref(xs, b, bits)
-                _assert_equal("nan codes", got[0], want[0])
-                torch.testing.assert_close(got[1], want[1], rtol=0, atol=0, equal_nan=True)
-                assert want[1].isnan().sum() == (2 if b == 32 else 1), want[1]
-                d = _dev("dequantize", *want, b, xs.numel(), bits, torch.float32)
-                torch.testing.assert_close(d, dequantize_ref(*want, b, xs.numel(), bits), rtol=0, atol=0, equal_nan=True)
-            parts = [quantize_ref(x * (s + 1), 32, bits) for s in range(2)]
-            codes, scales = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-            kw = dict(sources=2, numel=x.numel(), block_elems=32, bits=bits)
-            got, want = _dev("dequant_reduce_quantize", codes, scales, **kw), dequant_reduce_quantize_ref(codes, scales, **kw)
-            _assert_equal("nan reduce codes", got[0], want[0])
-            torch.testing.assert_close(got[1], want[1], rtol=0, atol=0, equal_nan=True)
+        for kind, first, last in (("nan", float("nan"), float("nan")), ("inf", float("inf"), float("-inf"))):
 
-        @case(f"inf-blocks-int{bits}")
-        def _(bits=bits):
-            # an infinity too gives its block a NaN scale and codes 0: with an infinite scale
-            # the infinity itself divided to NaN, whose integer code is unspecified, so the
-            # back ends could decode the block differently
-            x = _randn("inf", 32 * 4 + 9)
-            x[40] = float("inf")  # block 1
-            x[32 * 4 + 3] = float("-inf")  # the partial last block
-            x[70] = torch.finfo(torch.bfloat16).max  # block 2 finite in fp32 and bf16, near the top: not flagged
-            long = _randn("inf-long", 9000)
-            long[8191] = float("-inf")
-            for b, xs in ((32, x), (32, x.bfloat16()), (8192, long)):
-                got, want = _dev("quantize", xs, b, bits), quantize_ref(xs, b, bits)
-                _assert_equal("inf codes", got[0], want[0])
-                torch.testing.assert_close(got[1], want[1], rtol=0, atol=0, equal_nan=True)
-                assert want[1].isnan().sum() == (2 if b == 32 else 1), want[1]
-                d = dequantize_ref(*want, b, xs.numel(), bits)
-                bad = torch.zeros(padded_numel(xs.numel(), b), dtype=torch.bool)
-                bad.view(-1, b)[want[1].isnan()] = True
-                assert d.isnan().equal(bad[: xs.numel()]), "a block with an infinity decodes to NaN, no other"
-                got_d = _dev("dequantize", *want, b, xs.numel(), bits, torch.float32)
-                torch.testing.assert_close(got_d, d, rtol=0, atol=0, equal_nan=True)
-            # a fused sum that overflows fp32 gives an infinity, flagged the same way
-            big = torch.full((64,), 3e38)
-            parts = [quantize_ref(big, 32, bits) for _ in range(2)]
-            codes, scales = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-            kw = dict(sources=2, numel=64, block_elems=32, bits=bits)
-            got, want = _dev("dequant_reduce_quantize", codes, scales, **kw), dequant_reduce_quantize_ref(codes, scales, **kw)
-            _assert_equal("inf reduce codes", got[0], want[0])
-            torch.testing.assert_close(got[1], want[1], rtol=0, atol=0, equal_nan=True)
-            assert want[1].isnan().all(), want[1]
+            @case(f"{kind}-blocks-int{bits}")
+            def _(bits=bits, kind=kind, first=first, last=last):
+                # a NaN or an infinity gives its block a NaN scale and codes 0 on both back ends,
+                # so the block decodes to NaN and the non-finite checks downstream see it (tl.max
+                # alone would drop a NaN; with an infinite scale the infinity itself divided to
+                # NaN, whose integer code is unspecified, so the back ends could differ)
+                x = _randn(kind, 32 * 4 + 9)
+                x[40] = first  # block 1
+                x[32 * 4 + 3] = last  # the partial last block
+                x[70] = torch.finfo(torch.bfloat16).max  # block 2 finite in fp32 and bf16, near the top: not flagged
+                long = _randn(f"{kind}-long", 9000)
+                long[8191] = last  # a long block: the running absmax over the tile passes
+                for b, xs in ((32, x), (32, x.bfloat16()), (8192, long)):
+                    got, want = _dev("quantize", xs, b, bits), quantize_ref(xs, b, bits)
+                    _assert_equal(f"{kind} codes", got[0], want[0])
+                    torch.testing.assert_close(got[1], want[1], rtol=0, atol=0, equal_nan=True)
+                    assert want[1].isnan().sum() == (2 if b == 32 else 1), want[1]
+                    d = dequantize_ref(*want, b, xs.numel(), bits)
+                    bad = torch.zeros(padded_numel(xs.numel(), b), dtype=torch.bool)
+                    bad.view(-1, b)[want[1].isnan()] = True
+                    assert d.isnan().equal(bad[: xs.numel()]), f"a block with {kind} decodes to NaN, no other"
+                    got_d = _dev("dequantize", *want, b, xs.numel(), bits, torch.float32)
+                    torch.testing.assert_close(got_d, d, rtol=0, atol=0, equal_nan=True)
+                # the fused reduce of such blocks; and a sum that overflows fp32 gives an infinity,
+                # flagged the same way
+                for sources, want_nan in (([x, x * 0.5], None), ([torch.full((64,), 3e38)] * 2, "all")):
+                    parts = [quantize_ref(p, 32, bits) for p in sources]
+                    codes, scales = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+                    kw = dict(sources=2, numel=sources[0].numel(), block_elems=32, bits=bits)
+                    got = _dev("dequant_reduce_quantize", codes, scales, **kw)
+                    want = dequant_reduce_quantize_ref(codes, scales, **kw)
+                    _assert_equal(f"{kind} reduce codes", got[0], want[0])
+                    torch.testing.assert_close(got[1], want[1], rtol=0, atol=0, equal_nan=True)
+                    assert want[1].isnan().all() if want_nan else want[1].isnan().any(), want[1]
 
         @case(f"strided-2d-input-int{bits}")
         def _(bits=bits):
