@@ -244,6 +244,79 @@ def test_the_coverage_check_catches_drift() -> None:
                                            ("not-run", "needs a GPU")]
 
 
+# -- links ---------------------------------------------------------------------------------------
+
+_LINK = re.compile(r"\]\(([^()\s]*)\)")  # [text](target): the target, no title
+_HEADING = re.compile(r"^#{1,6} +(.*?) *#* *$")
+
+
+def heading_anchors(text: str) -> set[str]:
+    """The anchors GitHub gives the headings of a page outside its fences: lower case, every
+    character but letters, digits, spaces, '-' and '_' dropped, spaces as '-', and '-1', '-2'
+    after repeats."""
+    anchors: set[str] = set()
+    seen: dict[str, int] = {}
+    in_fence = False
+    for line in text.split("\n"):
+        if _FENCE_OPEN.match(line) or (in_fence and line.strip() == "```"):
+            in_fence = not in_fence
+            continue
+        m = _HEADING.match(line)
+        if in_fence or not m:
+            continue
+        slug = re.sub(r"[^\w\- ]", "", m.group(1).lower()).replace(" ", "-")
+        n = seen.get(slug, -1) + 1
+        seen[slug] = n
+        anchors.add(slug if n == 0 else f"{slug}-{n}")
+    return anchors
+
+
+def broken_links(pages: dict[str, str]) -> list[str]:
+    """Relative links of ``pages`` (repository path -> text) whose file does not exist, or
+    whose '#anchor' is not a heading of the page it names; links inside fences are code."""
+    problems: list[str] = []
+    for path, text in pages.items():
+        in_fence = False
+        for number, line in enumerate(text.split("\n"), 1):
+            if _FENCE_OPEN.match(line) or (in_fence and line.strip() == "```"):
+                in_fence = not in_fence
+            if in_fence:
+                continue
+            for target in _LINK.findall(line):
+                if re.match(r"[a-z]+:", target):  # https:, mailto:
+                    continue
+                file, _, anchor = target.partition("#")
+                ref = os.path.normpath(os.path.join(os.path.dirname(path), file)) if file else path
+                text_of = pages.get(ref)
+                if text_of is None and not (REPO / ref).exists():
+                    problems.append(f"{path}:{number}: {target}: no file {ref}")
+                elif anchor and ref.endswith(".md"):
+                    if text_of is None:
+                        text_of = (REPO / ref).read_text(encoding="utf-8")
+                    if anchor not in heading_anchors(text_of):
+                        problems.append(f"{path}:{number}: {target}: no heading with anchor #{anchor} in {ref}")
+    return problems
+
+
+def test_links_resolve() -> None:
+    """Every relative link of README.md and docs/*.md names a file that exists and, with an
+    anchor, a heading of that page."""
+    pages = {p: (REPO / p).read_text(encoding="utf-8") for p in DOC_FILES}
+    problems = broken_links(pages)
+    assert not problems, "broken links:\n" + "\n".join(problems)
+
+
+def test_the_link_check_catches_drift() -> None:
+    page = "\n".join([
+        "# A `b`: c", "## A `b`: c", "```python", "# not a heading", "x = [1](nowhere.md)", "```",
+        "[ok](#a-b-c) [ok](#a-b-c-1) [ok](t.md#a-b-c) [ok](https://x.org/#y) [ok](../README.md)",
+        "[bad](#a-b-c-2) [bad](#not-a-heading) [bad](missing.md) [bad](t.md#nope)",
+    ])
+    assert heading_anchors(page) == {"a-b-c", "a-b-c-1"}
+    got = broken_links({"docs/t.md": page})
+    assert [g.split(": ")[1] for g in got] == ["#a-b-c-2", "#not-a-heading", "missing.md", "t.md#nope"], got
+
+
 # -- static checks of every python fence, run or not -----------------------------------------
 
 # Fences that are signatures (``Name(a, *, b=1)``), not statements: checked against

@@ -89,7 +89,8 @@ def test_precision_translation():
     assert plugin.mp_policy().reduce_dtype == torch.float32
     t = Trainer(strategy="zeropp_stage_3", accelerator="cpu", devices=2, precision="bf16-true", logger=False)
     assert t.strategy.precision_plugin.mp_policy().param_dtype is None
-    t = Trainer(strategy="zeropp_stage_1", accelerator="cpu", devices=2, plugins=[ZeroPPPrecision("16-mixed")])
+    t = Trainer(strategy="zeropp_stage_1", accelerator="cpu", devices=2, plugins=[ZeroPPPrecision("16-mixed")],
+                logger=False)
     assert t.strategy.precision_plugin.scaler is not None
     with pytest.raises(ValueError, match="64-true"):
         Trainer(strategy="zeropp_stage_1", accelerator="cpu", devices=2, precision="64-true")

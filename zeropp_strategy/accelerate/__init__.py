@@ -51,7 +51,7 @@ from zeropp_strategy.engine.grad_reads import GradientReadWarning
 from zeropp_strategy.engine.state import full_gradients, full_model_state
 from zeropp_strategy.session import ZeroSession
 
-__all__ = ["CONFIG_ENV", "GradientReadWarning", "ZeroPPAccelerator", "config_from_env"]
+__all__ = ["CONFIG_ENV", "GradientReadWarning", "ZeroPPAccelerator", "config_from_env", "torchrun_without_gpu"]
 
 log = logging.getLogger(__name__)
 

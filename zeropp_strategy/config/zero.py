@@ -403,8 +403,10 @@ class ZeroConfig:
         Mapped from ``zero_optimization``: stage (0 is rejected: it is plain DDP),
         zero_quantized_weights, zero_hpz_partition_size, zero_quantized_gradients,
         zero_quantized_nontrainable_weights, offload_optimizer / offload_param (device, nvme_path,
-        pin_memory, buffer_count, buffer_size), reduce_bucket_size, allgather_bucket_size, and
-        [stage3_]gather_16bit_weights_on_model_save (true -> state_dict_type="full").
+        pin_memory, buffer_count, buffer_size), reduce_bucket_size, allgather_bucket_size,
+        [stage3_]gather_16bit_weights_on_model_save (true -> state_dict_type="full") and
+        zeropp_loco_param (gradient_error_feedback, err_beta, reset_T); top-level
+        communication_data_type -> reduce_dtype.
 
         DeepSpeed sizes (reduce_bucket_size, allgather_bucket_size, buffer_size) count ELEMENTS;
         ours count bytes. Each is multiplied by the element width: 2 bytes when the top-level
