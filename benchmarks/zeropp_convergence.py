@@ -105,6 +105,13 @@ VARIANTS = {
     # alone the same way
     "zeropp_delta_i8": _preset("zeropp_delta", gradient_quant_bits_intra=8),
     "qgZ_i8": {"quantized_gradients": True, "gradient_quant_bits_intra": 8},
+    # which of qgZ's two hops carries its loss cost: int8 across nodes only (int4 inside), int8
+    # on both hops (qgZ_int8 above), and int8 inside with the cross-node hop's rounding fed back
+    "qgZ_g8": {"quantized_gradients": True, "gradient_quant_bits": 8, "gradient_quant_bits_intra": 4},
+    "qgZ_i8_ef": {"quantized_gradients": True, "gradient_quant_bits_intra": 8, "gradient_error_feedback": True},
+    # int8 gradients on both of qgZ's hops (gradient_quant_bits=8) on the two presets
+    "zeropp_grad_int8": _preset("zeropp", gradient_quant_bits=8),
+    "zeropp_delta_grad_int8": _preset("zeropp_delta", gradient_quant_bits=8),
     # ... the preset's 2-bit changes in blocks of 64 (0.514x zeropp's bytes with bf16 scales)
     "zeropp_delta_b64": _preset("zeropp_delta", weight_quant_block_elems=64),
     # the weight path alone (no qgZ): how much of a delta level's loss is its weights'
