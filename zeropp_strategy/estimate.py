@@ -245,7 +245,7 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
     "zeropp_stage_1": {"stage": 1},
     "zeropp_stage_2": {"stage": 2},
     "zeropp_stage_3": {"stage": 3},
-    "zeropp": {"stage": 3, "quantized_weights": True, "hpz_partition_size": 0, "quantized_gradients": True},
+    "zeropp": dict(PRESETS["zeropp"]),
     "zeropp_4bit": dict(PRESETS["zeropp_4bit"]),
     "zeropp_delta": dict(PRESETS["zeropp_delta"]),
     "zeropp_stage_3 + offload_optimizer=cpu": {"stage": 3, "offload_optimizer": "cpu"},
