@@ -15,7 +15,7 @@ users train; ``32-true`` for the fp32 table). Under bf16-mixed DeepSpeed runs it
 mode, which reduces gradients in bf16 (its default ``communication_data_type``).
 Systems:
 
-    zeropp_stage_1/2/3, qwZ, hpZ, qgZ, zeropp, zeropp_4bit, zeropp_delta   ours (ZeroPPStrategy), Lightning Trainer
+    zeropp_stage_1/2/3, qwZ, hpZ, qgZ, zeropp, zeropp_4bit, zeropp_delta (+ _grad_int8)   ours (ZeroPPStrategy), Lightning Trainer
     zeropp_stage_3_bf16                         ours, stage 3 with reduce_dtype="bf16": the
                                                 like-for-like peer of DeepSpeed's bf16 reduce
     ddp                                         Lightning's DDPStrategy
@@ -78,6 +78,9 @@ OURS = {
     "zeropp": None,  # None: the registered preset of that name (ours_fields), what strategy="zeropp" gives
     "zeropp_4bit": None,
     "zeropp_delta": None,
+    # (preset, fields over it): the "Which level to use" rows of docs/zeropp.md with int8 gradients
+    "zeropp_grad_int8": ("zeropp", {"gradient_quant_bits": 8}),
+    "zeropp_delta_grad_int8": ("zeropp_delta", {"gradient_quant_bits": 8}),
 }
 DEEPSPEED = {
     "deepspeed_zero3": {},
@@ -93,11 +96,13 @@ def ours_fields(system: str) -> dict:
     """The ZeroConfig fields of one of our systems: a registered preset's own, read at call
     time from the package on the path (exit_check.py's ``--package-root`` puts another
     checkout's there), or the table's."""
-    if OURS[system] is None:
+    spec = OURS[system]
+    if spec is None or isinstance(spec, tuple):
         from zeropp_strategy.presets import PRESETS
 
-        return dict(PRESETS[system])
-    return OURS[system]
+        preset, fields = (system, {}) if spec is None else spec
+        return {**PRESETS[preset], **fields}
+    return spec
 
 
 def corpus(seq: int, vocab: int) -> TensorDataset:

@@ -16,7 +16,9 @@ parameters) and ``medium`` (8 x 512, 25.5M). Both parts run their cells in round
 cell once, ``--repeat`` times) so that a busy spell of a shared machine falls on every
 cell alike, and record the load average at the start of each run. A part's system written
 ``name~RATE`` runs at RATE instead of the part's rate, in the same rounds (``--part
-delta_200mbit``: DDP with no link limit beside three systems at 200 Mbit/s).
+delta_200mbit``: DDP with no link limit beside three systems at 200 Mbit/s). The other parts
+(``4bit_*``, ``delta_*``, ``grad_int8``: issue 35's levels beside ``zeropp``) are listed with
+their results files in benchmarks/volume_cells.py; docs/zeropp.md holds their tables.
 
 Every cell is one ``benchmarks/bench_train.py`` job on the simulated 2-node x 2-rank cluster
 (``benchmarks/simcluster.py``: two network namespaces, a veth shaped with ``tc tbf``),

@@ -26,11 +26,16 @@ PARTS = {
     # the must-show at 200 Mbit/s: the new level beside zeropp, DeepSpeed ZeRO-3 and DDP at
     # unlimited bandwidth ("~RATE": that cell at its own rate, in the same rounds)
     "delta_200mbit": ("200mbit", ["small"], ["zeropp", "zeropp_delta", "deepspeed_zero3", "ddp~unlimited"]),
+    # the two presets with int8 gradients (gradient_quant_bits=8) beside them, at 50 Mbit/s and
+    # with no limit, in the same rounds
+    "grad_int8": ("50mbit", ["small"], ["zeropp", "zeropp_grad_int8", "zeropp_delta", "zeropp_delta_grad_int8",
+                                        "zeropp~unlimited", "zeropp_grad_int8~unlimited", "zeropp_delta~unlimited",
+                                        "zeropp_delta_grad_int8~unlimited"]),
 }
 PART_FILES = {"stage1": "volume_stage1_async.json", "sizes": "volume_sizes_1gbit.json",
               "4bit_50mbit": "volume_4bit_50mbit.json", "4bit_unlimited": "volume_4bit_unlimited.json",
               "delta_50mbit": "volume_delta_50mbit.json", "delta_unlimited": "volume_delta_unlimited.json",
-              "delta_200mbit": "volume_delta_200mbit.json"}
+              "delta_200mbit": "volume_delta_200mbit.json", "grad_int8": "volume_grad_int8.json"}
 SUITE_FILES = {"fp32": "volume_bf16_fp32mm.json", "native": "volume_bf16.json"}  # by --bf16-matmul
 ARCHIVED_SUITES = ["volume_bf16_fp32mm_2026-11-25.json"]
 """Earlier runs of the suite kept on the page below the newest, newest first; each JSON's
