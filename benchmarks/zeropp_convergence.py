@@ -47,7 +47,7 @@ VARIANTS = {
     "qwZ": {"quantized_weights": True},
     "hpZ": {"hpz_partition_size": 0},
     "qgZ": {"quantized_gradients": True},
-    "zeropp": {"quantized_weights": True, "hpz_partition_size": 0, "quantized_gradients": True},
+    "zeropp": _preset("zeropp"),
     # Gradients reduced in bf16 (ZeroConfig.reduce_dtype), DeepSpeed's default under bf16.
     "reduce_bf16": {"reduce_dtype": "bf16"},
     # Ablations of the quantization settings (not in the default run).
@@ -56,12 +56,9 @@ VARIANTS = {
     "qgZ_b32": {"quantized_gradients": True, "gradient_quant_block_elems": 32},
     "qgZ_b256": {"quantized_gradients": True, "gradient_quant_block_elems": 256},
     "qgZ_int8_b256": {"quantized_gradients": True, "gradient_quant_bits": 8, "gradient_quant_block_elems": 256},
-    "zeropp_g256": {"quantized_weights": True, "hpz_partition_size": 0, "quantized_gradients": True,
-                    "gradient_quant_block_elems": 256},
-    "zeropp_g64": {"quantized_weights": True, "hpz_partition_size": 0, "quantized_gradients": True,
-                   "gradient_quant_block_elems": 64},
-    "zeropp_g32": {"quantized_weights": True, "hpz_partition_size": 0, "quantized_gradients": True,
-                   "gradient_quant_block_elems": 32},
+    "zeropp_g256": _preset("zeropp", gradient_quant_block_elems=256),
+    "zeropp_g64": _preset("zeropp", gradient_quant_block_elems=64),
+    "zeropp_g32": _preset("zeropp", gradient_quant_block_elems=32),
     "qwZ_b64": {"quantized_weights": True, "weight_quant_block_elems": 64},
     # Error feedback on qgZ's cross-node hop (ZeroConfig.gradient_error_feedback, LoCo), with
     # int8 inside the node (gradient_quant_bits_intra=8); "_ef0": beta 0 (classic feedback).
@@ -69,17 +66,12 @@ VARIANTS = {
     "qgZ_b256_ef0": {"quantized_gradients": True, "gradient_quant_block_elems": 256, "gradient_error_feedback": True,
                      "gradient_error_beta": 0.0},
     "qgZ_b256_i8": {"quantized_gradients": True, "gradient_quant_block_elems": 256, "gradient_quant_bits_intra": 8},
-    "zeropp_ef": {"quantized_weights": True, "hpz_partition_size": 0, "quantized_gradients": True,
-                  "gradient_quant_bits_intra": 8, "gradient_error_feedback": True},
-    "zeropp_i8": {"quantized_weights": True, "hpz_partition_size": 0, "quantized_gradients": True,
-                  "gradient_quant_bits_intra": 8},
-    "zeropp_ef_only": {"quantized_weights": True, "hpz_partition_size": 0, "quantized_gradients": True,
-                       "gradient_error_feedback": True},
-    "zeropp_ef0": {"quantized_weights": True, "hpz_partition_size": 0, "quantized_gradients": True,
-                   "gradient_quant_bits_intra": 8, "gradient_error_feedback": True, "gradient_error_beta": 0.0},
-    "zeropp_ef_g256": {"quantized_weights": True, "hpz_partition_size": 0, "quantized_gradients": True,
-                       "gradient_quant_bits_intra": 8, "gradient_error_feedback": True,
-                       "gradient_quant_block_elems": 256},
+    "zeropp_ef": _preset("zeropp", gradient_quant_bits_intra=8, gradient_error_feedback=True),
+    "zeropp_i8": _preset("zeropp", gradient_quant_bits_intra=8),
+    "zeropp_ef_only": _preset("zeropp", gradient_error_feedback=True),
+    "zeropp_ef0": _preset("zeropp", gradient_quant_bits_intra=8, gradient_error_feedback=True, gradient_error_beta=0.0),
+    "zeropp_ef_g256": _preset("zeropp", gradient_quant_bits_intra=8, gradient_error_feedback=True,
+                              gradient_quant_block_elems=256),
     # Beyond ZeRO++: int4 weight gathers in blocks of 64 (the zeropp_4bit preset); in blocks of 32
     # (finer scales: 0.625 bytes per element instead of 0.5625)
     "zeropp_4bit": _preset("zeropp_4bit"),
