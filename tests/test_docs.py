@@ -35,7 +35,7 @@ import subprocess
 import sys
 import textwrap
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -250,19 +250,25 @@ _LINK = re.compile(r"\]\(([^()\s]*)\)")  # [text](target): the target, no title
 _HEADING = re.compile(r"^#{1,6} +(.*?) *#* *$")
 
 
+def prose_lines(text: str) -> Iterator[tuple[int, str]]:
+    """(1-based number, line) of each line of a page outside its fences and their fence lines."""
+    in_fence = False
+    for number, line in enumerate(text.split("\n"), 1):
+        if _FENCE_OPEN.match(line) or (in_fence and line.strip() == "```"):
+            in_fence = not in_fence
+        elif not in_fence:
+            yield number, line
+
+
 def heading_anchors(text: str) -> set[str]:
     """The anchors GitHub gives the headings of a page outside its fences: lower case, every
     character but letters, digits, spaces, '-' and '_' dropped, spaces as '-', and '-1', '-2'
     after repeats."""
     anchors: set[str] = set()
     seen: dict[str, int] = {}
-    in_fence = False
-    for line in text.split("\n"):
-        if _FENCE_OPEN.match(line) or (in_fence and line.strip() == "```"):
-            in_fence = not in_fence
-            continue
+    for _, line in prose_lines(text):
         m = _HEADING.match(line)
-        if in_fence or not m:
+        if not m:
             continue
         slug = re.sub(r"[^\w\- ]", "", m.group(1).lower()).replace(" ", "-")
         n = seen.get(slug, -1) + 1
@@ -275,13 +281,9 @@ def broken_links(pages: dict[str, str]) -> list[str]:
     """Relative links of ``pages`` (repository path -> text) whose file does not exist, or
     whose '#anchor' is not a heading of the page it names; links inside fences are code."""
     problems: list[str] = []
+    anchors: dict[str, set[str]] = {}  # page -> its headings' anchors, computed once
     for path, text in pages.items():
-        in_fence = False
-        for number, line in enumerate(text.split("\n"), 1):
-            if _FENCE_OPEN.match(line) or (in_fence and line.strip() == "```"):
-                in_fence = not in_fence
-            if in_fence:
-                continue
+        for number, line in prose_lines(text):
             for target in _LINK.findall(line):
                 if re.match(r"[a-z]+:", target):  # https:, mailto:
                     continue
@@ -291,9 +293,9 @@ def broken_links(pages: dict[str, str]) -> list[str]:
                 if text_of is None and not (REPO / ref).exists():
                     problems.append(f"{path}:{number}: {target}: no file {ref}")
                 elif anchor and ref.endswith(".md"):
-                    if text_of is None:
-                        text_of = (REPO / ref).read_text(encoding="utf-8")
-                    if anchor not in heading_anchors(text_of):
+                    if ref not in anchors:
+                        anchors[ref] = heading_anchors(text_of or (REPO / ref).read_text(encoding="utf-8"))
+                    if anchor not in anchors[ref]:
                         problems.append(f"{path}:{number}: {target}: no heading with anchor #{anchor} in {ref}")
     return problems
 
