@@ -249,10 +249,9 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
     "zeropp_4bit": dict(PRESETS["zeropp_4bit"]),
     "zeropp_delta": dict(PRESETS["zeropp_delta"]),
     "zeropp_stage_3 + offload_optimizer=cpu": {"stage": 3, "offload_optimizer": "cpu"},
-    "zeropp_offload": {"stage": 3, "quantized_weights": True, "hpz_partition_size": 0, "quantized_gradients": True,
-                       "offload_optimizer": "cpu", "offload_param": "cpu"},
-    "zeropp_offload_nvme": {"stage": 3, "quantized_weights": True, "hpz_partition_size": 0,
-                            "quantized_gradients": True, "offload_optimizer": "nvme", "offload_param": "nvme"},
+    # the offload presets with device strings: _one adds the cluster's NVMe path
+    "zeropp_offload": {**PRESETS["zeropp"], "offload_optimizer": "cpu", "offload_param": "cpu"},
+    "zeropp_offload_nvme": {**PRESETS["zeropp"], "offload_optimizer": "nvme", "offload_param": "nvme"},
 }
 NOT_RECOMMENDED = {"zeropp_4bit": "its loss ended 2.3% above stage 3's over 6 seeds of our 200-step benchmark "
                                    "(docs/zeropp.md, \"The benchmark's GPT-2 was mis-initialized\")"}
