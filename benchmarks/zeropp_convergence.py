@@ -116,6 +116,11 @@ VARIANTS = {
                                     gradient_error_feedback=True),
     "qgZ_g2": {"quantized_gradients": True, "gradient_quant_bits": 2, "gradient_quant_bits_intra": 8,
                "gradient_error_feedback": True, "gradient_error_beta": 0.0},
+    # LoCo as DeepSpeed runs it (zeropp_loco_param): both hops' rounding fed back, int4 on both
+    # (the intra-node error kept as int8 blocks); qgZ alone, and on the two presets
+    "qgZ_ef_both": {"quantized_gradients": True, "gradient_error_feedback": True, "gradient_error_feedback_intra": True},
+    "zeropp_ef_both": _preset("zeropp", gradient_error_feedback=True, gradient_error_feedback_intra=True),
+    "zeropp_delta_ef_both": _preset("zeropp_delta", gradient_error_feedback=True, gradient_error_feedback_intra=True),
 }
 DEFAULT_VARIANTS = ["stage3", "qwZ", "hpZ", "qgZ", "zeropp"]
 

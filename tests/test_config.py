@@ -502,6 +502,7 @@ _FIELD_VALUES = {
     "gradient_quant_bits": _mostly(st.sampled_from([2, 4, 8, 16])),
     "gradient_quant_bits_intra": _mostly(st.sampled_from([None, 2, 4, 8])),
     "gradient_error_feedback": _mostly(st.booleans()),
+    "gradient_error_feedback_intra": _mostly(st.booleans()),
     "gradient_error_beta": _mostly(st.one_of(st.floats(-1, 2), st.sampled_from([0, 0.8, 1, float("nan"), True]))),
     "gradient_error_reset_steps": _mostly(st.integers(-2, 4096)),
     "gradient_quant_block_elems": _mostly(st.sampled_from([32, 64, 300])),
@@ -628,9 +629,33 @@ def test_weight_quant_bits_is_4_or_8(value, exc):
         ZeroConfig(weight_quant_bits=value)
 
 
+def test_error_feedback_inside_the_node():
+    """gradient_error_feedback_intra: needs qgZ (the error names the field and the fix); the
+    plan keeps it on one node too (step 1 is then the only hop) and says so; DeepSpeed's
+    zeropp_loco_param turns on both hops, as DeepSpeed runs LoCo."""
+    from zeropp_strategy.plan import resolve
+    from zeropp_strategy.topology import Topology
+
+    with pytest.raises(ValueError, match=r"ZeroConfig.gradient_error_feedback_intra=True is invalid.*Fix: set "
+                                         r"quantized_gradients=True"):
+        ZeroConfig(stage=3, gradient_error_feedback_intra=True)
+    both = ZeroConfig(stage=3, quantized_gradients=True, gradient_error_feedback=True,
+                      gradient_error_feedback_intra=True)
+    plan = resolve(both, Topology(world_size=4, rank=0, ranks_per_node=2))
+    assert plan.error_feedback and plan.error_feedback_intra
+    assert "int4 inside the node with error feedback, 4-bit across with error feedback" in plan.describe()
+    one = resolve(both.replace(quantized_gradients_on_single_node=True), Topology(world_size=4, rank=0,
+                                                                                 ranks_per_node=4))
+    assert (one.error_feedback, one.error_feedback_intra) == (False, True)
+    ds = ZeroConfig.from_deepspeed({"zero_optimization": {"stage": 3, "zero_quantized_gradients": True,
+                                                          "zeropp_loco_param": {"err_beta": 0.5, "reset_T": 8}}})
+    assert (ds.gradient_error_feedback, ds.gradient_error_feedback_intra) == (True, True)
+    assert (ds.gradient_error_beta, ds.gradient_error_reset_steps) == (0.5, 8)
+
+
 def test_2bit_gradient_codes_need_feedback_and_more_bits_inside_the_node():
     """gradient_quant_bits=2: only with error feedback (what the codes drop goes with the next
-    step), and only across nodes (the intra-node hop has no feedback, so it names its bits)."""
+    step), and only across nodes (the intra-node hop names its own bits)."""
     from zeropp_strategy.plan import resolve
     from zeropp_strategy.topology import Topology
 

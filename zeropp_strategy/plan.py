@@ -73,6 +73,7 @@ class ZeroPPPolicy:
     gradient_quant_bits: int
     gradient_quant_bits_intra: int | None
     gradient_error_feedback: bool
+    gradient_error_feedback_intra: bool
     gradient_error_beta: float
     gradient_error_reset_steps: int
     gradient_quant_block_elems: int
@@ -123,7 +124,8 @@ class Plan:
     FSDP2 is given (stage 2: False; stage 3: True, or ``hpz_group``); ``quantized_weights`` /
     ``quantized_gradients``: whether qwZ / qgZ quantize anything in this job;
     ``gradient_bits`` / ``gradient_bits_inside``: qgZ's codes across / inside nodes;
-    ``error_feedback``: qgZ keeps its cross-node quantization error; ``weight_delta``: qwZ
+    ``error_feedback`` / ``error_feedback_intra``: qgZ keeps its cross-node / intra-node
+    quantization error; ``weight_delta``: qwZ
     sends each shard's change since its last gather (kept rows per rank);
     ``frozen_weight_bits``:
     frozen weights stored at 8 or 4 bits (0: dense); ``weight_bits``: qwZ's codes (8 or 4; 2
@@ -158,6 +160,7 @@ class Plan:
     gradient_bits: int = 4
     gradient_bits_inside: int = 4
     error_feedback: bool = False
+    error_feedback_intra: bool = False
     weight_delta: bool = False
     frozen_weight_bits: int = 0
     overlap_param_gather: bool = False
@@ -188,8 +191,9 @@ class Plan:
             parts.append(f"qwZ int{self.weight_bits} gathers across nodes (the codes on both hops)")
         if self.quantized_gradients:
             feedback = " with error feedback" if self.error_feedback else ""
+            inside = " with error feedback" if self.error_feedback_intra else ""
             across = f", {self.gradient_bits}-bit across{feedback}" if self.num_nodes > 1 else ", one node"
-            parts.append(f"qgZ gradient reduce (int{self.gradient_bits_inside} inside the node{across})")
+            parts.append(f"qgZ gradient reduce (int{self.gradient_bits_inside} inside the node{inside}{across})")
         parts.append(f"{'16-bit' if self.gather_16bit else 'full-precision'} gathers under mixed precision")
         parts.append(f"reduce dtype {self.reduce_dtype or 'of the precision'}")
         parts.append(f"{self.state_dict_type} checkpoints")
@@ -265,8 +269,9 @@ def explain(plan: Plan | None) -> list[str]:
         small = ("Tensors below quantize_min_elems, and non-float ones, take the plain reduce-scatter in the reduce "
                  "dtype.")
         if plan.quantized_gradients and M > 1:
-            kept = (" Each rank keeps the cross-node hop's quantization error and adds it to its next reduction "
-                    "(error feedback)." if plan.error_feedback else "")
+            hops = [h for h, on in (("cross-node", plan.error_feedback), ("intra-node", plan.error_feedback_intra)) if on]
+            kept = (f" Each rank keeps the quantization error of the {' and '.join(hops)} hop{'s' * (len(hops) > 1)} "
+                    "and adds it to its next reduction (error feedback)." if hops else "")
             across = ("2-bit codes (-3/-1/+1/+3 times a third of the block's largest value)" if plan.gradient_bits == 2
                       else f"int{plan.gradient_bits}")
             lines.append(f"Backward: gradients are reduce-scattered per block in two hops (qgZ): int"
@@ -274,7 +279,9 @@ def explain(plan: Plan | None) -> list[str]:
                          f"nodes ({scale} block scales), summed in fp32.{kept} {small}")
         elif plan.quantized_gradients:
             lines.append(f"Backward: gradients are reduce-scattered per block as int{plan.gradient_bits_inside} codes "
-                         f"in one hop inside the node (qgZ on a single node), summed in fp32. {small}")
+                         f"in one hop inside the node (qgZ on a single node), summed in fp32."
+                         f"{' Each rank keeps its quantization error (error feedback).' if plan.error_feedback_intra else ''}"
+                         f" {small}")
         else:
             lines.append(f"Backward: gradients are reduce-scattered per block as they are computed{two_hops}.")
         if plan.offload_optimizer != "none":
@@ -339,6 +346,7 @@ def resolve(config: ZeroConfig, topology: Topology, *, gather_16bit_default: boo
         gradient_bits=config.gradient_quant_bits,
         gradient_bits_inside=config.gradient_quant_bits_intra or config.gradient_quant_bits,
         error_feedback=quantized_gradients and not one_node and config.gradient_error_feedback,  # one node: no cross hop
+        error_feedback_intra=quantized_gradients and config.gradient_error_feedback_intra,
         weight_delta=quantized_weights and config.weight_delta_coding,
         frozen_weight_bits=config.frozen_weight_bits if config.quantize_frozen_weights and stage > 1 else 0,
         overlap_param_gather=stage == 1 and config.overlap_param_gather,

@@ -1,6 +1,6 @@
 """Layer: checkpoint. What the collectives keep from step to step, in sharded checkpoints:
-qgZ's kept quantization errors ([Note: qgZ error feedback]) and qwZ's kept weight rows
-([Note: qwZ weight deltas]), so that a resumed run continues with the state the
+qgZ's kept quantization errors of either hop ([Note: qgZ error feedback]) and qwZ's kept
+weight rows ([Note: qwZ weight deltas]), so that a resumed run continues with the state the
 interrupted one had: its next steps are the uninterrupted run's.
 
 [Note: error feedback in checkpoints]
@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zeropp_strategy.checkpoint.sharded import QGZ_ERROR, _load, _metadata
-from zeropp_strategy.comm.zeropp import ErrorFeedback
+from zeropp_strategy.comm.zeropp import INTRA_FEEDBACK, ErrorFeedback
 from zeropp_strategy.engine.fsdp import kept_comm_states
 
 __all__ = ["QGZ_ERROR", "error_feedback_tensors", "load_error_feedback"]
@@ -87,7 +87,8 @@ def load_error_feedback(module: nn.Module, directory: Path | None, meta: Mapping
         for state in states:
             state.kept = None
         if not dist.is_initialized() or dist.get_rank() == 0:
-            afresh = {"qgZ error feedback": "qgZ error feedback starts from zero errors",
+            afresh = {ErrorFeedback.name: "qgZ error feedback starts from zero errors",
+                      INTRA_FEEDBACK: "qgZ intra-node error feedback starts from zero errors",
                       "qwZ weight deltas": "qwZ weight deltas start again from the 16-bit shards"}
             log.info("zeropp: %s: %s.", " and ".join(afresh[n] for n in sorted({s.name for s in states})), why)
         return

@@ -77,6 +77,13 @@ world, so each gradient element has exactly one owner, whose shard the optimizer
 before the next gather hands it to all. When a group's partials change size (a parameter
 without a gradient this step) the kept error restarts from zero. Tested against a
 reference in tests/test_zeropp.py.
+With ``ZeroConfig.gradient_error_feedback_intra`` step 1 keeps its own error the same way:
+each rank's whole gradient of the group, in step 1's chunk order and padding, is ``p``, and
+its ``e`` is kept as int8 codes in blocks of the gradient block (1 + 4/B bytes per element:
+the group's whole gradient per rank, as DeepSpeed's LoCo keeps it; the error of an int4 code is
+at most half its step, and int8 keeps that to 1/254 of each block's largest error). Both
+hops' errors are per rank, so a resume in the same layout restores them exactly and any
+other layout starts them at zero (checkpoint/comm_state.py).
 """
 
 from __future__ import annotations
@@ -252,17 +259,26 @@ class QuantizedAllGather(EmptyAlloc, AllGather):
         return finish_work(work, finish, async_op)
 
 
+INTRA_FEEDBACK = "qgZ intra-node error feedback"  # the name of step 1's kept error
+
+
 class ErrorFeedback:
-    """The kept quantization error of one group's node partials ([Note: qgZ error feedback])."""
+    """The kept quantization error of one group's reduction at one of qgZ's hops ([Note: qgZ
+    error feedback]): the node partials' error across nodes, or with ``stored_bits=8`` the
+    whole gradient's error inside the node, kept as int8 blocks of ``block_elems``."""
 
     name = "qgZ error feedback"
 
-    def __init__(self, *, beta: float, reset_steps: int, layout: tuple[int, int] = (1, 1)) -> None:
+    def __init__(self, *, beta: float, reset_steps: int, layout: tuple[int, int] = (1, 1),
+                 stored_bits: int = 32, block_elems: int = 64, name: str | None = None) -> None:
         self.beta = beta
         self.reset_steps = reset_steps
         self.layout = layout  # (nodes, ranks per node): the error means nothing on another
+        self.stored_bits, self.block_elems = stored_bits, block_elems  # 32: fp32; 8: int8 codes + fp32 scales
+        if name is not None:
+            self.name = name
         # the names every kept state has (WeightDeltas' too), which checkpoint/comm_state.py saves
-        self.kept: torch.Tensor | None = None  # the error e, fp32, of the partials' shape
+        self.kept: torch.Tensor | None = None  # the error e: fp32 of the partials' shape, or its int8 payload
         self.count = 0  # reductions so far (the reset counts them)
 
     def part(self, rank: int) -> torch.Tensor | None:  # noqa: ARG002 - each rank's errors are its own
@@ -274,21 +290,37 @@ class ErrorFeedback:
     def restore(self, parts: list[torch.Tensor | None]) -> None:
         (self.kept,) = parts
 
+    def _stored_numel(self, n: int) -> int:
+        return n if self.stored_bits == 32 else padded_numel(n, self.block_elems) + 4 * num_blocks(n, self.block_elems)
+
+    def _error(self, like: torch.Tensor) -> torch.Tensor:
+        """The kept error as fp32 of ``like``'s shape: zeros when none is kept (or of another
+        size), after a periodic reset, and at the first reduction."""
+        n, kept = like.numel(), self.kept
+        if kept is None or kept.numel() != self._stored_numel(n) or (
+                self.reset_steps and self.count % self.reset_steps == 0):
+            return torch.zeros_like(like)
+        kept = kept.to(like.device)  # a no-op but after a load from a checkpoint
+        if self.stored_bits == 32:
+            return kept.view_as(like)
+        codes = padded_numel(n, self.block_elems)
+        return dequantize(kept[:codes].view(torch.int8), kept[codes:].view(torch.float32), self.block_elems, n,
+                          8).view_as(like)
+
     def quantize(self, partials: torch.Tensor, block_elems: int, bits: int, *,
                  bf16_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Codes and scales of ``partials + error`` (fp32, whole blocks; used as scratch), and
         the error updated with what this quantization dropped."""
-        if self.kept is None or self.kept.shape != partials.shape:
-            self.kept = torch.zeros_like(partials)
-        else:
-            self.kept = self.kept.to(partials.device)  # a no-op but after a load from a checkpoint
-            if self.reset_steps and self.count % self.reset_steps == 0:
-                self.kept.zero_()
+        error = self._error(partials)
         self.count += 1
-        compensated = partials.add_(self.kept)
+        compensated = partials.add_(error)
         codes, scales = quantize(compensated, block_elems, bits, bf16_scales=bf16_scales)
         dropped = compensated.sub_(dequantize(codes, scales, block_elems, compensated.numel(), bits))
-        self.kept.mul_(self.beta).add_(dropped, alpha=1.0 - self.beta)
+        error.mul_(self.beta).add_(dropped, alpha=1.0 - self.beta)
+        if self.stored_bits == 32:
+            self.kept = error
+        else:
+            self.kept = _pack(*quantize(error.reshape(-1), self.block_elems, 8))
         return codes, scales
 
 
@@ -310,6 +342,7 @@ class HierarchicalQuantReduceScatter(EmptyAlloc, ReduceScatter):
         intra_bits: int | None = None,
         wire_dtype: torch.dtype | None = None,
         feedback: ErrorFeedback | None = None,
+        intra_feedback: ErrorFeedback | None = None,
         scale_bits: int = 32,
     ) -> None:
         self.ledger = ledger
@@ -318,7 +351,8 @@ class HierarchicalQuantReduceScatter(EmptyAlloc, ReduceScatter):
         self.inter_group = inter_group
         self.bits = bits  # the cross-node hop's
         self.intra_bits = bits if intra_bits is None else intra_bits
-        self.feedback = feedback
+        self.feedback = feedback  # the cross-node hop's kept error
+        self.intra_feedback = intra_feedback  # the intra-node hop's
         self.scale_bits = scale_bits  # the cross-node hop's scales (the intra-node hop sends fp32)
         self.block_elems = block_elems
         self.min_elems = min_elems
@@ -374,7 +408,12 @@ class HierarchicalQuantReduceScatter(EmptyAlloc, ReduceScatter):
 
         # 1. intra-node: destination-major order, the M chunks for local rank l' together.
         order = [m * L + lp for lp in range(L) for m in range(M)]
-        codes, scales = swizzle_quantize(input_tensor, order, s, B, bits1)
+        if self.intra_feedback is None:
+            codes, scales = swizzle_quantize(input_tensor, order, s, B, bits1)
+        else:  # the same blocks, the kept error added first ([Note: qgZ error feedback])
+            swizzled = torch.zeros(M * L, s_pad, dtype=torch.float32, device=input_tensor.device)
+            swizzled[:, :s] = input_tensor.reshape(M * L, s)[torch.tensor(order, device=input_tensor.device)]
+            codes, scales = self.intra_feedback.quantize(swizzled.view(-1), B, bits1)
         codes = codes.view(L, M * code_bytes1)
         scales = scales.view(L, M * num_blocks(s, B))
         send = torch.cat([codes.view(torch.uint8), scales.contiguous().view(torch.uint8).view(L, -1)], dim=1)

@@ -117,8 +117,9 @@ def _from_deepspeed(cls: type[Any], d: Mapping[str, Any], source: str, *, warn: 
         take(_DS_LOCO_KEYS, loco, "zero_optimization.zeropp_loco_param", kwargs)
         for key, (name, _) in _DS_LOCO_KEYS.items():  # errors name the DeepSpeed key, not the block's field
             origin[name] = f"zero_optimization.zeropp_loco_param.{key}"
-        kwargs["gradient_error_feedback"] = True
-        origin["gradient_error_feedback"] = "zero_optimization.zeropp_loco_param (set zero_quantized_gradients: true)"
+        for name in ("gradient_error_feedback", "gradient_error_feedback_intra"):  # DeepSpeed feeds back both hops
+            kwargs[name] = True
+            origin[name] = "zero_optimization.zeropp_loco_param (set zero_quantized_gradients: true)"
     if any(zero.get(k) in _TRUE for k in _DS_SAVE_KEYS):
         kwargs["state_dict_type"] = "full"
     comm_dtype = d.get("communication_data_type")

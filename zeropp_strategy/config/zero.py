@@ -98,6 +98,11 @@ class ZeroConfig:
     rounding errors cancel over steps instead of accumulating in the weights. Costs one fp32
     buffer of 1/ranks-per-node of the gradients per rank; no extra bytes on the wire. Needs
     ``quantized_gradients`` (docs/zeropp.md, "Error feedback")."""
+    gradient_error_feedback_intra: bool = False
+    """Error feedback on qgZ's first hop, inside the node, too (LoCo as DeepSpeed's
+    ``zeropp_loco_param`` runs it: both hops). Each rank keeps the error of its whole gradient
+    as int8 blocks: about 1.06 bytes per gradient element, kept between steps. No extra
+    bytes on the wire. Needs ``quantized_gradients`` (docs/zeropp.md, "Error feedback")."""
     gradient_error_beta: float = 0.8
     """Error feedback: the kept error is ``beta * old + (1 - beta) * new`` (LoCo's moving
     average; 0 = the classic feedback of the last step's error alone). In [0, 1)."""
@@ -267,13 +272,14 @@ class ZeroConfig:
             _invalid(f"{w}.weight_delta_coding", True, "it changes qwZ's quantized all-gather, which is off",
                      "set quantized_weights=True as well, or weight_delta_coding=False")
         for name, value in (("gradient_error_feedback", self.gradient_error_feedback),
+                            ("gradient_error_feedback_intra", self.gradient_error_feedback_intra),
                             ("gradient_quant_bits_intra", self.gradient_quant_bits_intra)):
             if value not in (False, None) and not self.quantized_gradients:
                 _invalid(f"{w}.{name}", value, "it changes qgZ's quantized reduce-scatter, which is off",
                          f"set quantized_gradients=True as well, or leave {name} at its default")
         if self.quantized_gradients and self.gradient_quant_bits == 2 and self.gradient_quant_bits_intra is None:
             _invalid(f"{w}.gradient_quant_bits_intra", None, "2-bit gradient codes are for the cross-node hop only, "
-                     "where error feedback keeps what they drop; the intra-node hop has no feedback",
+                     "where the slow link makes their coarser rounding worth it",
                      "set gradient_quant_bits_intra=8 (or 4)")
         if self.overlap_param_gather and stage != 1:
             _invalid(f"{w}.overlap_param_gather", True, f"it overlaps stage 1's post-step gather; stage {stage} "
@@ -405,7 +411,8 @@ class ZeroConfig:
         zero_quantized_nontrainable_weights, offload_optimizer / offload_param (device, nvme_path,
         pin_memory, buffer_count, buffer_size), reduce_bucket_size, allgather_bucket_size,
         [stage3_]gather_16bit_weights_on_model_save (true -> state_dict_type="full") and
-        zeropp_loco_param (gradient_error_feedback, err_beta, reset_T); top-level
+        zeropp_loco_param (gradient_error_feedback and gradient_error_feedback_intra, err_beta,
+        reset_T); top-level
         communication_data_type -> reduce_dtype.
 
         DeepSpeed sizes (reduce_bucket_size, allgather_bucket_size, buffer_size) count ELEMENTS;
@@ -431,7 +438,7 @@ class ZeroConfig:
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(ZeroConfig))
 _BOOL_FIELDS = ("overlap_param_gather", "quantized_weights", "quantized_gradients", "quantized_gradients_on_single_node",
-                "gradient_error_feedback", "weight_delta_coding",
+                "gradient_error_feedback", "gradient_error_feedback_intra", "weight_delta_coding",
                 "quantize_frozen_weights", "activation_checkpointing", "meta_init")
 _BITS_FIELDS = {  # field (4 or 8) -> fix
     "weight_quant_bits": "use 8 (int8, ZeRO++'s qwZ) or 4 (int4: about half the bytes of a cross-node gather); 2 "

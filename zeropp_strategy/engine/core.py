@@ -129,6 +129,7 @@ class ZeroEngine:
         """Factories for qwZ / qgZ comm objects (None: the plain ledger collectives), as the
         plan decided for this topology (asked for on one node, they log why they are off)."""
         from zeropp_strategy.comm.zeropp import (
+            INTRA_FEEDBACK,
             ErrorFeedback,
             HierarchicalQuantReduceScatter,
             QuantizedAllGather,
@@ -170,6 +171,10 @@ class ZeroEngine:
                     feedback=ErrorFeedback(beta=plan.error_beta, reset_steps=plan.error_reset_steps,
                                            layout=(topo.num_nodes, topo.ranks_per_node))
                     if self.plan.error_feedback else None,
+                    intra_feedback=ErrorFeedback(beta=plan.error_beta, reset_steps=plan.error_reset_steps,
+                                                 layout=(topo.num_nodes, topo.ranks_per_node), stored_bits=8,
+                                                 block_elems=plan.gradient_block_elems, name=INTRA_FEEDBACK)
+                    if self.plan.error_feedback_intra else None,
                     scale_bits=plan.cross_node_scale_bits,
                 )
 

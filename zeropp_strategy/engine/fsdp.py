@@ -394,17 +394,17 @@ _ALL_GATHERS_ATTR = "_zeropp_all_gathers"
 def kept_comm_states(module: nn.Module) -> list[Any]:
     """What the collectives of ``module``'s FSDP groups keep from step to step, in module
     order, the same on every rank and in every run of the same model: per group, qgZ's
-    error feedback, then qwZ's weight deltas, where on ([Note: qgZ error feedback], [Note:
-    qwZ weight deltas]). Each has ``name``, ``layout``, ``kept`` (a tensor or None),
-    ``count`` and ``part`` / ``sources`` / ``restore`` (what a rank saves, whose parts it
-    reads back, how it takes them); checkpoint/comm_state.py saves them."""
+    error feedback across nodes, then inside the node, then qwZ's weight deltas, where on
+    ([Note: qgZ error feedback], [Note: qwZ weight deltas]). Each has ``name``, ``layout``,
+    ``kept`` (a tensor or None), ``count`` and ``part`` / ``sources`` / ``restore`` (what a
+    rank saves, whose parts it reads back, how it takes them); checkpoint/comm_state.py saves
+    them."""
     found = []
     for m in module.modules():
         if getattr(m, "zeropp_frozen_leaf", False):  # reduces nothing; its gathered codes never change
             continue
         for rs in m.__dict__.get(_REDUCE_SCATTERS_ATTR, {}).values():
-            if getattr(rs, "feedback", None) is not None:
-                found.append(rs.feedback)
+            found += [f for f in (getattr(rs, "feedback", None), getattr(rs, "intra_feedback", None)) if f is not None]
         for ag in m.__dict__.get(_ALL_GATHERS_ATTR, {}).values():
             if getattr(ag, "deltas", None) is not None:
                 found.append(ag.deltas)
