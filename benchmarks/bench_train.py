@@ -15,7 +15,8 @@ users train; ``32-true`` for the fp32 table). Under bf16-mixed DeepSpeed runs it
 mode, which reduces gradients in bf16 (its default ``communication_data_type``).
 Systems:
 
-    zeropp_stage_1/2/3, qwZ, hpZ, qgZ, zeropp, zeropp_4bit, zeropp_delta (+ _grad_int8)   ours (ZeroPPStrategy), Lightning Trainer
+    zeropp_stage_1/2/3, qwZ, hpZ, qgZ, zeropp, zeropp_4bit, zeropp_delta (+ _grad_int8),
+    zeropp_loco, zeropp_ef                      ours (ZeroPPStrategy), Lightning Trainer
     zeropp_stage_3_bf16                         ours, stage 3 with reduce_dtype="bf16": the
                                                 like-for-like peer of DeepSpeed's bf16 reduce
     ddp                                         Lightning's DDPStrategy
@@ -81,6 +82,10 @@ OURS = {
     # (preset, fields over it): the "Which level to use" rows of docs/zeropp.md with int8 gradients
     "zeropp_grad_int8": ("zeropp", {"gradient_quant_bits": 8}),
     "zeropp_delta_grad_int8": ("zeropp_delta", {"gradient_quant_bits": 8}),
+    # ... with error feedback: on both hops (what ZeroConfig.from_deepspeed makes of zeropp_loco_param),
+    # and int8 inside the node with the cross-node hop fed back
+    "zeropp_loco": ("zeropp", {"gradient_error_feedback": True, "gradient_error_feedback_intra": True}),
+    "zeropp_ef": ("zeropp", {"gradient_quant_bits_intra": 8, "gradient_error_feedback": True}),
 }
 DEEPSPEED = {
     "deepspeed_zero3": {},

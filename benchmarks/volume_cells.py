@@ -31,11 +31,16 @@ PARTS = {
     "grad_int8": ("50mbit", ["small"], ["zeropp", "zeropp_grad_int8", "zeropp_delta", "zeropp_delta_grad_int8",
                                         "zeropp~unlimited", "zeropp_grad_int8~unlimited", "zeropp_delta~unlimited",
                                         "zeropp_delta_grad_int8~unlimited"]),
+    # error feedback: LoCo on both of qgZ's hops (DeepSpeed's zeropp_loco_param), and int8
+    # inside the node with the cross-node hop fed back, beside zeropp, with no limit and at 50 Mbit/s
+    "loco": ("unlimited", ["small"], ["zeropp", "zeropp_loco", "zeropp_ef", "zeropp~50mbit", "zeropp_loco~50mbit",
+                                      "zeropp_ef~50mbit"]),
 }
 PART_FILES = {"stage1": "volume_stage1_async.json", "sizes": "volume_sizes_1gbit.json",
               "4bit_50mbit": "volume_4bit_50mbit.json", "4bit_unlimited": "volume_4bit_unlimited.json",
               "delta_50mbit": "volume_delta_50mbit.json", "delta_unlimited": "volume_delta_unlimited.json",
-              "delta_200mbit": "volume_delta_200mbit.json", "grad_int8": "volume_grad_int8.json"}
+              "delta_200mbit": "volume_delta_200mbit.json", "grad_int8": "volume_grad_int8.json",
+              "loco": "volume_loco.json"}
 SUITE_FILES = {"fp32": "volume_bf16_fp32mm.json", "native": "volume_bf16.json"}  # by --bf16-matmul
 ARCHIVED_SUITES = ["volume_bf16_fp32mm_2026-11-25.json"]
 """Earlier runs of the suite kept on the page below the newest, newest first; each JSON's

@@ -305,12 +305,13 @@ def test_error_feedback_keeps_fp32_errors_of_one_node_share_of_the_gradients() -
 def test_intra_node_error_feedback_keeps_int8_errors_of_the_whole_gradient() -> None:
     """gradient_error_feedback_intra: each rank keeps its whole gradient's first-hop error as
     int8 blocks of the gradient block (64): (1 + 4/64) T bytes, on top of the cross-node
-    hop's 4 T / L; no byte more on either link."""
+    hop's 4 T / L, and while a group is reduced three fp32 rows of one of its N chunks (the
+    root, 1e9 parameters here, is the largest group); no byte more on either link."""
     both = {"stage": 3, "quantized_weights": True, "hpz_partition_size": 0, "quantized_gradients": True,
             "gradient_error_feedback": True, "gradient_error_feedback_intra": True}
     rows = _rows(_shape(8e9, root=1e9, blocks=32), nodes=2, gpus_per_node=8, extra={"zeropp_ef_both": both})
     fed, zpp = rows["zeropp_ef_both"], rows["zeropp"]
-    assert fed.gpu["feedback_errors"] == 4 * 8e9 / 8 + (1 + 4 / 64) * 8e9
+    assert fed.gpu["feedback_errors"] == 4 * 8e9 / 8 + (1 + 4 / 64) * 8e9 + 12 * 1e9 / 16
     assert (fed.inter_bytes, fed.intra_bytes) == (zpp.inter_bytes, zpp.intra_bytes)
 
 

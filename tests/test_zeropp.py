@@ -145,7 +145,8 @@ def _per_hop_and_feedback(rank, world, topo, meshes, ledger, world_group, B):
 
     from zeropp_strategy.comm.hierarchical import native_reduce_scatter
     from zeropp_strategy.comm.ledger import CommKind
-    from zeropp_strategy.comm.zeropp import ErrorFeedback, HierarchicalQuantReduceScatter
+    from zeropp_strategy.comm.feedback import ErrorFeedback
+    from zeropp_strategy.comm.zeropp import HierarchicalQuantReduceScatter
     from zeropp_strategy.kernels import padded_numel, quantized_nbytes
 
     s, steps = 1000, 8
@@ -186,9 +187,18 @@ def _per_hop_and_feedback(rank, world, topo, meshes, ledger, world_group, B):
     intra = ErrorFeedback(beta=0.0, reset_steps=0, stored_bits=8, block_elems=B)
     fed_both = reduce(4, ErrorFeedback(beta=0.0, reset_steps=0), times=steps, intra_feedback=intra)
     t_both = ledger.totals(CommKind.GRAD_REDUCE)
+    import zeropp_strategy.comm.zeropp as qgz_module
+
+    rows, qgz_module.FEEDBACK_ROW_ELEMS = qgz_module.FEEDBACK_ROW_ELEMS, 2 * s_pad  # two chunks at a time, not all 4
+    try:
+        by_pairs = reduce(4, ErrorFeedback(beta=0.0, reset_steps=0), times=steps,
+                          intra_feedback=ErrorFeedback(beta=0.0, reset_steps=0, stored_bits=8, block_elems=B))
+    finally:
+        qgz_module.FEEDBACK_ROW_ELEMS = rows
     return {
         "rel_fed44_mean": rel(torch.stack(fed44).mean(0)), "rel_fed_both_mean": rel(torch.stack(fed_both).mean(0)),
         "fed_both_first_equals_int4": torch.equal(fed_both[0], plain4[0]),
+        "fed_both_by_pairs_equal": all(torch.equal(a, b) for a, b in zip(fed_both, by_pairs, strict=True)),
         "bytes_fed_both": (t_both.intra_bytes, t_both.inter_bytes) == (2 * steps * quantized_nbytes(s, B, 4),
                                                                        steps * quantized_nbytes(s, B, 4)),
         "intra_kept": (intra.kept.dtype, intra.kept.numel(), intra.count),
@@ -284,10 +294,12 @@ def test_qgz_error_feedback_on_both_hops(collectives):
     ~0.11 off); with both hops fed back the mean comes within about 1/8 of one step's error
     (measured 0.019 against 0.15): at least 4x closer than feedback across only. The first
     reduction is plain int4's bit for bit, the bytes are int4's on both hops (feedback sends
-    nothing), and the kept error is int8 blocks of the rank's whole gradient."""
+    nothing), the kept error is int8 blocks of the rank's whole gradient, and working on the
+    chunks two at a time instead of all at once gives the same bits."""
     for rank, out in enumerate(collectives):
         h = out["hops"]
         assert h["fed_both_first_equals_int4"] and h["bytes_fed_both"], (rank, h)
+        assert h["fed_both_by_pairs_equal"], (rank, h)  # the chunks taken two at a time: the same bits
         assert h["intra_kept"] == h["intra_kept_expected"], (rank, h)
         assert h["rel_fed_both_mean"] * 4 < h["rel_fed44_mean"] and h["rel_fed_both_mean"] * 4 < h["rel_int4_mean"], (
             rank, h)
@@ -301,7 +313,7 @@ def test_error_feedback_against_reference(beta, reset, bits, bf16, stored):
     with the plain kernels, step by step (resets included); with beta = 0 and no reset,
     what was sent sums to the partials' sum minus the last error. ``stored=8`` (the
     intra-node hop's): the error is kept as int8 blocks, so the next step adds their decoding."""
-    from zeropp_strategy.comm.zeropp import ErrorFeedback
+    from zeropp_strategy.comm.feedback import ErrorFeedback
     from zeropp_strategy.kernels import dequantize, quantize
 
     B, n, steps = 64, 64 * 12, 7
@@ -332,11 +344,27 @@ def test_error_feedback_against_reference(beta, reset, bits, bf16, stored):
         torch.testing.assert_close(sent_sum, part_sum - error, rtol=0, atol=1e-5 + storage)
 
 
+@pytest.mark.parametrize("stored", [32, 8])
+def test_error_feedback_keeps_no_nonfinite_error(stored):
+    """An inf in one step's gradient (a step an fp16 loss scaler or on_nonfinite='skip' then
+    drops) leaves no NaN in the kept error: the next reduction's scales are finite."""
+    from zeropp_strategy.comm.feedback import ErrorFeedback
+
+    B, n = 64, 64 * 4
+    g = torch.Generator().manual_seed(3)
+    ef = ErrorFeedback(beta=0.8, reset_steps=0, stored_bits=stored, block_elems=B)
+    bad = torch.randn(n, generator=g)
+    bad[5] = float("inf")
+    ef.quantize(bad, B, 4)
+    _, scales = ef.quantize(torch.randn(n, generator=g), B, 4)
+    assert torch.isfinite(scales).all(), scales
+
+
 def _with_feedbacks(errors, reductions):
     """A module whose two 'FSDP groups' carry qgZ error feedback, as engine/fsdp.py attaches it."""
     from types import SimpleNamespace
 
-    from zeropp_strategy.comm.zeropp import ErrorFeedback
+    from zeropp_strategy.comm.feedback import ErrorFeedback
     from zeropp_strategy.engine.fsdp import _REDUCE_SCATTERS_ATTR
 
     module = torch.nn.Sequential(*(torch.nn.Linear(2, 2) for _ in errors))

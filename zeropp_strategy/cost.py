@@ -300,8 +300,12 @@ def cost(name: str, plan: Plan | None, model: ModelShape, cluster: Cluster, work
             e.gpu["delta_copies"] = C * (T if frozen_bits else P) / L
     if plan is not None and plan.error_feedback:  # qgZ (stage 2 or 3)'s kept errors: fp32, M chunks of T / N
         e.gpu["feedback_errors"] = 4 * T / L
-    if plan is not None and plan.error_feedback_intra:  # ... and inside the node: int8 blocks of the whole gradient
-        e.gpu["feedback_errors"] = e.gpu.get("feedback_errors", 0) + (1 + 4 / plan.gradient_block_elems) * T
+    if plan is not None and plan.error_feedback_intra:  # ... and inside the node: int8 blocks of the whole gradient,
+        # plus three fp32 rows of the largest group's chunks while it is reduced (comm/zeropp.py's
+        # FEEDBACK_ROW_ELEMS: chunks up to 2**24 elements together, else one chunk, 1/N of it)
+        group = min(T, max(m.largest_block, m.root_params))
+        e.gpu["feedback_errors"] = (e.gpu.get("feedback_errors", 0) + (1 + 4 / plan.gradient_block_elems) * T
+                                    + 12 * min(group, max(group / N, 2**24)))
     stepped_on_host = moved_down = 0.0  # optimizer state the host steps, gradient bytes copied down
     if opt_off != "none":
         state = {"optimizer": e.gpu.pop("optimizer"), "gradients": e.gpu.pop("gradients")}

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zeropp_strategy.checkpoint.sharded import QGZ_ERROR, _load, _metadata
-from zeropp_strategy.comm.zeropp import INTRA_FEEDBACK, ErrorFeedback
+from zeropp_strategy.comm.feedback import INTRA_FEEDBACK, ErrorFeedback
 from zeropp_strategy.engine.fsdp import kept_comm_states
 
 __all__ = ["QGZ_ERROR", "error_feedback_tensors", "load_error_feedback"]

@@ -99,6 +99,7 @@ from zeropp_strategy.comm.collectives import (
     tensor_bytes,
 )
 from zeropp_strategy.comm.comm_thread import BackwardDeferral
+from zeropp_strategy.comm.feedback import ErrorFeedback
 from zeropp_strategy.comm.hierarchical import NodeGroups, all_gather, finish_work, native_all_gather
 from zeropp_strategy.comm.ledger import CommKind, CommLedger
 from zeropp_strategy.fsdp_private import AllGather, ReduceScatter
@@ -259,69 +260,9 @@ class QuantizedAllGather(EmptyAlloc, AllGather):
         return finish_work(work, finish, async_op)
 
 
-INTRA_FEEDBACK = "qgZ intra-node error feedback"  # the name of step 1's kept error
-
-
-class ErrorFeedback:
-    """The kept quantization error of one group's reduction at one of qgZ's hops ([Note: qgZ
-    error feedback]): the node partials' error across nodes, or with ``stored_bits=8`` the
-    whole gradient's error inside the node, kept as int8 blocks of ``block_elems``."""
-
-    name = "qgZ error feedback"
-
-    def __init__(self, *, beta: float, reset_steps: int, layout: tuple[int, int] = (1, 1),
-                 stored_bits: int = 32, block_elems: int = 64, name: str | None = None) -> None:
-        self.beta = beta
-        self.reset_steps = reset_steps
-        self.layout = layout  # (nodes, ranks per node): the error means nothing on another
-        self.stored_bits, self.block_elems = stored_bits, block_elems  # 32: fp32; 8: int8 codes + fp32 scales
-        if name is not None:
-            self.name = name
-        # the names every kept state has (WeightDeltas' too), which checkpoint/comm_state.py saves
-        self.kept: torch.Tensor | None = None  # the error e: fp32 of the partials' shape, or its int8 payload
-        self.count = 0  # reductions so far (the reset counts them)
-
-    def part(self, rank: int) -> torch.Tensor | None:  # noqa: ARG002 - each rank's errors are its own
-        return self.kept
-
-    def sources(self, rank: int) -> list[int]:
-        return [rank]
-
-    def restore(self, parts: list[torch.Tensor | None]) -> None:
-        (self.kept,) = parts
-
-    def _stored_numel(self, n: int) -> int:
-        return n if self.stored_bits == 32 else padded_numel(n, self.block_elems) + 4 * num_blocks(n, self.block_elems)
-
-    def _error(self, like: torch.Tensor) -> torch.Tensor:
-        """The kept error as fp32 of ``like``'s shape: zeros when none is kept (or of another
-        size), after a periodic reset, and at the first reduction."""
-        n, kept = like.numel(), self.kept
-        if kept is None or kept.numel() != self._stored_numel(n) or (
-                self.reset_steps and self.count % self.reset_steps == 0):
-            return torch.zeros_like(like)
-        kept = kept.to(like.device)  # a no-op but after a load from a checkpoint
-        if self.stored_bits == 32:
-            return kept.view_as(like)
-        codes = padded_numel(n, self.block_elems)
-        return dequantize(kept[:codes].view(torch.int8), kept[codes:].view(torch.float32), self.block_elems, n,
-                          8).view_as(like)
-
-    def quantize(self, partials: torch.Tensor, block_elems: int, bits: int, *,
-                 bf16_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Codes and scales of ``partials + error`` (fp32, whole blocks; used as scratch), and
-        the error updated with what this quantization dropped."""
-        error = self._error(partials)
-        self.count += 1
-        compensated = partials.add_(error)
-        codes, scales = quantize(compensated, block_elems, bits, bf16_scales=bf16_scales)
-        dropped = compensated.sub_(dequantize(codes, scales, block_elems, compensated.numel(), bits))
-        error.mul_(self.beta).add_(dropped, alpha=1.0 - self.beta)
-        if self.stored_bits == 32:
-            self.kept = error
-        else:
-            self.kept = _pack(*quantize(error.reshape(-1), self.block_elems, 8))
-        return codes, scales
+# Step 1's feedback works on whole chunks, as many at a time as fit in this many elements (or
+# one): three fp32 rows of it are its scratch, and fewer rows are fewer kernel launches.
+FEEDBACK_ROW_ELEMS = 1 << 24
 
 
 class HierarchicalQuantReduceScatter(EmptyAlloc, ReduceScatter):
@@ -410,10 +351,18 @@ class HierarchicalQuantReduceScatter(EmptyAlloc, ReduceScatter):
         order = [m * L + lp for lp in range(L) for m in range(M)]
         if self.intra_feedback is None:
             codes, scales = swizzle_quantize(input_tensor, order, s, B, bits1)
-        else:  # the same blocks, the kept error added first ([Note: qgZ error feedback])
-            swizzled = torch.zeros(M * L, s_pad, dtype=torch.float32, device=input_tensor.device)
-            swizzled[:, :s] = input_tensor.reshape(M * L, s)[torch.tensor(order, device=input_tensor.device)]
-            codes, scales = self.intra_feedback.quantize(swizzled.view(-1), B, bits1)
+        else:  # the same blocks, the kept error added first ([Note: qgZ error feedback]), k chunks at a time
+            W = M * L
+            k = max(d for d in range(1, W + 1) if W % d == 0 and (d == 1 or d * s_pad <= FEEDBACK_ROW_ELEMS))
+            chunks = input_tensor.reshape(W, s)
+            scratch = input_tensor.new_zeros((k, s_pad), dtype=torch.float32)
+
+            def rows(i: int) -> torch.Tensor:
+                scratch[:, :s].copy_(chunks[torch.tensor(order[i * k:(i + 1) * k], device=chunks.device)])
+                scratch[:, s:] = 0.0
+                return scratch.view(-1)
+
+            codes, scales = self.intra_feedback.quantize_rows(W // k, k * s_pad, rows, B, bits1, device=scratch.device)
         codes = codes.view(L, M * code_bytes1)
         scales = scales.view(L, M * num_blocks(s, B))
         send = torch.cat([codes.view(torch.uint8), scales.contiguous().view(torch.uint8).view(L, -1)], dim=1)

@@ -101,8 +101,9 @@ class ZeroConfig:
     gradient_error_feedback_intra: bool = False
     """Error feedback on qgZ's first hop, inside the node, too (LoCo as DeepSpeed's
     ``zeropp_loco_param`` runs it: both hops). Each rank keeps the error of its whole gradient
-    as int8 blocks: about 1.06 bytes per gradient element, kept between steps. No extra
-    bytes on the wire. Needs ``quantized_gradients`` (docs/zeropp.md, "Error feedback")."""
+    as int8 blocks: (1 + 4/B) bytes per gradient element (1.06 at B = 64) kept between
+    steps. No extra bytes on the wire. Needs ``quantized_gradients`` (docs/zeropp.md,
+    "Error feedback")."""
     gradient_error_beta: float = 0.8
     """Error feedback: the kept error is ``beta * old + (1 - beta) * new`` (LoCo's moving
     average; 0 = the classic feedback of the last step's error alone). In [0, 1)."""

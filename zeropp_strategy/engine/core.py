@@ -128,9 +128,8 @@ class ZeroEngine:
     def comm_factories(self) -> tuple[Any, Any]:
         """Factories for qwZ / qgZ comm objects (None: the plain ledger collectives), as the
         plan decided for this topology (asked for on one node, they log why they are off)."""
+        from zeropp_strategy.comm.feedback import INTRA_FEEDBACK, ErrorFeedback
         from zeropp_strategy.comm.zeropp import (
-            INTRA_FEEDBACK,
-            ErrorFeedback,
             HierarchicalQuantReduceScatter,
             QuantizedAllGather,
             WeightDeltas,

@@ -413,6 +413,6 @@ def kept_comm_states(module: nn.Module) -> list[Any]:
 
 def error_feedbacks(module: nn.Module) -> list[Any]:
     """The qgZ error-feedback states among ``kept_comm_states(module)``."""
-    from zeropp_strategy.comm.zeropp import ErrorFeedback
+    from zeropp_strategy.comm.feedback import ErrorFeedback
 
     return [state for state in kept_comm_states(module) if isinstance(state, ErrorFeedback)]

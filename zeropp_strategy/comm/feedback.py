@@ -1,0 +1,99 @@
+"""Layer: comm. What qgZ's error feedback keeps between steps: the quantization error of one
+FSDP group's reduction at one hop, fp32 or int8 blocks ([Note: qgZ error feedback] in
+comm/zeropp.py, which calls it; checkpoint/comm_state.py saves it)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from zeropp_strategy.kernels import code_dtype, dequantize, quantize
+
+__all__ = ["INTRA_FEEDBACK", "ErrorFeedback"]
+
+INTRA_FEEDBACK = "qgZ intra-node error feedback"  # the name of step 1's kept error
+
+
+class ErrorFeedback:
+    """The kept quantization error of one group's reduction at one of qgZ's hops ([Note: qgZ
+    error feedback]): the node partials' error across nodes, or with ``stored_bits=8`` the
+    whole gradient's error inside the node, kept as int8 blocks of ``block_elems``."""
+
+    name = "qgZ error feedback"
+
+    def __init__(self, *, beta: float, reset_steps: int, layout: tuple[int, int] = (1, 1),
+                 stored_bits: int = 32, block_elems: int = 64, name: str | None = None) -> None:
+        self.beta = beta
+        self.reset_steps = reset_steps
+        self.layout = layout  # (nodes, ranks per node): the error means nothing on another
+        self.stored_bits, self.block_elems = stored_bits, block_elems  # 32: fp32; 8: int8 codes + fp32 scales
+        if name is not None:
+            self.name = name
+        # the names every kept state has (WeightDeltas' too), which checkpoint/comm_state.py saves
+        self.kept: torch.Tensor | None = None  # the error e: fp32 of the partials' shape, or its int8 payload
+        self.count = 0  # reductions so far (the reset counts them)
+
+    def part(self, rank: int) -> torch.Tensor | None:  # noqa: ARG002 - each rank's errors are its own
+        return self.kept
+
+    def sources(self, rank: int) -> list[int]:
+        return [rank]
+
+    def restore(self, parts: list[torch.Tensor | None]) -> None:
+        (self.kept,) = parts
+
+    def _kept(self, n: int, device: torch.device) -> torch.Tensor:
+        """The kept error of ``n`` elements as stored (fp32, or int8 codes then fp32 scales in
+        one uint8 tensor): zeros when none is kept (or of another size), at a periodic reset,
+        and at the first reduction (zero codes with zero scales decode to zero)."""
+        size = n if self.stored_bits == 32 else n + 4 * (n // self.block_elems)
+        kept = self.kept
+        if kept is None or kept.numel() != size or (self.reset_steps and self.count % self.reset_steps == 0):
+            return torch.zeros(size, dtype=torch.float32 if self.stored_bits == 32 else torch.uint8, device=device)
+        return kept.to(device)  # a no-op but after a load from a checkpoint
+
+    def quantize(self, partials: torch.Tensor, block_elems: int, bits: int, *,
+                 bf16_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Codes and scales of ``partials + error`` (fp32, whole blocks; used as scratch), and
+        the error updated with what this quantization dropped."""
+        flat = partials.view(-1)
+        return self.quantize_rows(1, flat.numel(), lambda i: flat, block_elems, bits, bf16_scales=bf16_scales,
+                                  device=flat.device)
+
+    def quantize_rows(self, rows: int, row_elems: int, row: Callable[[int], torch.Tensor], block_elems: int,
+                      bits: int, *, bf16_scales: bool = False,
+                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``quantize`` of ``rows`` rows of ``row_elems`` elements (whole blocks) back to back,
+        one row at a time: ``row(i)`` gives row i in fp32, which this call overwrites, so no
+        scratch is larger than a row's. A non-finite error (an inf or NaN gradient) is kept
+        as zero, so that one bad step does not spoil its blocks until the next reset."""
+        B, n = block_elems, rows * row_elems
+        assert row_elems % B == 0 and row_elems % self.block_elems == 0, (row_elems, B, self.block_elems)
+        kept, beta = self._kept(n, device), self.beta
+        self.count += 1
+        codes = torch.empty(n * bits // 8, dtype=code_dtype(bits), device=device)
+        scales = torch.empty(n // B, dtype=torch.float32, device=device)
+        per_codes, per_scales, per_kept = row_elems * bits // 8, row_elems // B, row_elems // self.block_elems
+        kept_codes = kept[:n].view(torch.int8)
+        kept_scales = kept[n:].view(torch.float32)  # empty for fp32 storage
+        for i in range(rows):
+            lo, hi = i * row_elems, (i + 1) * row_elems
+            compensated = row(i)
+            if self.stored_bits == 32:
+                error = kept[lo:hi]  # updated in place
+            else:
+                error = dequantize(kept_codes[lo:hi], kept_scales[i * per_kept:(i + 1) * per_kept],
+                                   self.block_elems, row_elems, 8)
+            compensated.add_(error)
+            c, sc = quantize(compensated, B, bits, bf16_scales=bf16_scales)
+            dropped = compensated.sub_(dequantize(c, sc, B, row_elems, bits))
+            torch.nan_to_num_(error.mul_(beta).add_(dropped, alpha=1.0 - beta), nan=0.0, posinf=0.0, neginf=0.0)
+            if self.stored_bits != 32:
+                ec, es = quantize(error, self.block_elems, 8)
+                kept_codes[lo:hi] = ec
+                kept_scales[i * per_kept:(i + 1) * per_kept] = es
+            codes[i * per_codes:(i + 1) * per_codes] = c.view(-1)
+            scales[i * per_scales:(i + 1) * per_scales] = sc
+        self.kept = kept
+        return codes, scales
