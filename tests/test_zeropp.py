@@ -380,13 +380,14 @@ def test_kept_errors_load_only_into_the_layout_they_were_kept_for(tmp_path, capl
     """[Note: error feedback in checkpoints], in one process: the same layout
     restores errors and counts exactly; another layout keeps the counts and starts from zero
     errors; a full-format file, a checkpoint saved without feedback, or another number of
-    groups start from zero; each says why in one INFO line."""
+    groups start from zero; each says why in one INFO line. A kind the checkpoint lacks starts
+    afresh alone: the kinds it holds come back."""
     import logging
 
     import torch.distributed.checkpoint as dcp
 
     from zeropp_strategy.checkpoint.comm_state import QGZ_ERROR, error_feedback_tensors, load_error_feedback
-    from zeropp_strategy.engine.fsdp import error_feedbacks
+    from zeropp_strategy.engine.fsdp import _REDUCE_SCATTERS_ATTR, error_feedbacks
 
     saved = [torch.randn(6), torch.randn(10)]
     tensors, meta = error_feedback_tensors(_with_feedbacks(saved, [5, 9]))
@@ -409,12 +410,32 @@ def test_kept_errors_load_only_into_the_layout_they_were_kept_for(tmp_path, capl
     assert "kept for 4 ranks as 2 nodes x 2, this run has 1 as 1 x 1" in said
     for meta_, directory, groups, why in ((meta, None, 2, "one full-format file"),
                                           (None, tmp_path, 2, "saved without them"),
-                                          (meta, tmp_path, 1, "has 2 kept states, this model 1"),
+                                          (meta, tmp_path, 1, "the checkpoint has 2 of them, this model 1"),
                                           ({**meta, "kinds": ["qwZ weight deltas"] * 2}, tmp_path, 2,
-                                           "kept states are of other features (qwZ weight deltas)")):
+                                           "the checkpoint was saved without them")):
         restored, said = load(meta_, directory, groups)
         assert all(f.kept is None and f.count == 0 for f in restored), why
         assert said.startswith("zeropp: qgZ error feedback starts from zero errors:") and why in said, said
+
+    # Saved with the cross-node feedback alone, resumed with the intra-node one on as well
+    # (from_deepspeed's zeropp_loco_param since 2026-11-29): the cross-node errors and counts
+    # come back, the intra-node ones start at zero, and one line says which and why.
+    from zeropp_strategy.comm.feedback import INTRA_FEEDBACK, ErrorFeedback
+
+    module = _with_feedbacks([torch.zeros(6), torch.zeros(10)], [0, 0])
+    for sub in module:
+        intra = ErrorFeedback(beta=0.8, reset_steps=0, layout=(1, 1), stored_bits=8, name=INTRA_FEEDBACK)
+        intra.kept, intra.count = torch.ones(8, dtype=torch.uint8), 3
+        sub.__dict__[_REDUCE_SCATTERS_ATTR]["g"].intra_feedback = intra
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="zeropp_strategy.checkpoint.comm_state"):
+        load_error_feedback(module, tmp_path, meta, key="model")
+    both = error_feedbacks(module)
+    assert [f.name for f in both] == ["qgZ error feedback", INTRA_FEEDBACK] * 2
+    assert torch.equal(both[0].kept, saved[0]) and torch.equal(both[2].kept, saved[1])
+    assert [f.count for f in both] == [5, 3, 9, 3] and both[1].kept is None and both[3].kept is None
+    assert [r.getMessage() for r in caplog.records] == [
+        "zeropp: qgZ intra-node error feedback starts from zero errors: the checkpoint was saved without them."]
 
 
 # -- whole training steps ---------------------------------------------------------------
