@@ -179,6 +179,31 @@ class Record(Callback):
         ledger.reset()
 
 
+class Probe(Callback):
+    """``--probe``: before each optimizer step (and before clipping), the global L2 norm of the
+    reduced gradients and the mean of AdamW's ``exp_avg_sq`` over every element, summed over
+    the ranks' shards (one plain ``dist`` all-reduce, which the ledger does not book: the
+    bytes per step are unchanged)."""
+
+    def __init__(self) -> None:
+        self.grad_norm: list[float] = []
+        self.exp_avg_sq_mean: list[float] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731 - DTensor shards
+        sq = sum((local(p.grad).float().pow(2).sum() for p in pl_module.parameters() if p.grad is not None),
+                 torch.zeros(()))
+        v = torch.zeros(2)
+        for state in optimizer.state.values():
+            if "exp_avg_sq" in state:
+                x = local(state["exp_avg_sq"])
+                v += torch.stack([x.float().sum(), torch.tensor(float(x.numel()))])
+        both = torch.cat([sq.reshape(1), v])
+        torch.distributed.all_reduce(both)
+        self.grad_norm.append(both[0].sqrt().item())
+        self.exp_avg_sq_mean.append((both[1] / both[2]).item() if both[2] else 0.0)
+
+
 TAIL = 20
 
 
@@ -197,6 +222,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS))
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--probe", action="store_true",
+                        help="also record each step's gradient norm and AdamW's mean exp_avg_sq (Probe)")
     parser.add_argument("--plot", type=Path, default=None)
     parser.add_argument("--plot-variants", nargs="+", default=None, help="variants to draw (default: all)")
     parser.add_argument("--from-json", type=Path, nargs="+", default=None,
@@ -215,16 +242,19 @@ def main() -> None:
         runs = []
         for seed in args.seeds:
             seed_everything(seed)
-            rec = Record()
+            rec, probe = Record(), Probe()
             strategy = ZeroPPStrategy(stage=3, simulated_nodes=2, **VARIANTS[name])
             trainer = Trainer(
-                strategy=strategy, accelerator="cpu", devices=world, max_steps=args.steps, callbacks=[rec],
+                strategy=strategy, accelerator="cpu", devices=world, max_steps=args.steps,
+                callbacks=[rec, probe] if args.probe else [rec],
                 gradient_clip_val=1.0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                 enable_model_summary=False,
             )
             trainer.fit(GPT(seed, args.steps))
             runs.append({"seed": seed, "loss": rec.losses, "inter_bytes_per_step": rec.inter[1:],
                          "inter_bytes_by_kind_step1": rec.by_kind})
+            if args.probe:
+                runs[-1].update(grad_norm=probe.grad_norm, exp_avg_sq_mean=probe.exp_avg_sq_mean)
             if rank0:
                 print(f"{name} seed {seed}: final loss {final_loss(rec.losses):.4f}", flush=True)
         results[name] = {"runs": runs, "config": {"stage": 3, "simulated_nodes": 2, **VARIANTS[name]}}  # what ran
