@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader
 
 from zeropp_strategy import ZeroPPStrategy
 from zeropp_strategy.presets import PRESETS
+from zeropp_strategy.primitives import local
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make `benchmarks` importable
 from benchmarks.bench_train import corpus  # noqa: E402  (the shipped text, folded into the vocab)
@@ -190,7 +191,6 @@ class Probe(Callback):
         self.exp_avg_sq_mean: list[float] = []
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731 - DTensor shards
         sq = sum((local(p.grad).float().pow(2).sum() for p in pl_module.parameters() if p.grad is not None),
                  torch.zeros(()))
         v = torch.zeros(2)

@@ -187,14 +187,14 @@ def _per_hop_and_feedback(rank, world, topo, meshes, ledger, world_group, B):
     intra = ErrorFeedback(beta=0.0, reset_steps=0, stored_bits=8, block_elems=B)
     fed_both = reduce(4, ErrorFeedback(beta=0.0, reset_steps=0), times=steps, intra_feedback=intra)
     t_both = ledger.totals(CommKind.GRAD_REDUCE)
-    import zeropp_strategy.comm.zeropp as qgz_module
+    import zeropp_strategy.comm.feedback as feedback_module
 
-    rows, qgz_module.FEEDBACK_ROW_ELEMS = qgz_module.FEEDBACK_ROW_ELEMS, 2 * s_pad  # two chunks at a time, not all 4
+    rows, feedback_module.FEEDBACK_ROW_ELEMS = feedback_module.FEEDBACK_ROW_ELEMS, 2 * s_pad  # two chunks, not all 4
     try:
         by_pairs = reduce(4, ErrorFeedback(beta=0.0, reset_steps=0), times=steps,
                           intra_feedback=ErrorFeedback(beta=0.0, reset_steps=0, stored_bits=8, block_elems=B))
     finally:
-        qgz_module.FEEDBACK_ROW_ELEMS = rows
+        feedback_module.FEEDBACK_ROW_ELEMS = rows
     return {
         "rel_fed44_mean": rel(torch.stack(fed44).mean(0)), "rel_fed_both_mean": rel(torch.stack(fed_both).mean(0)),
         "fed_both_first_equals_int4": torch.equal(fed_both[0], plain4[0]),

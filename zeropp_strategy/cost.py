@@ -69,6 +69,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from zeropp_strategy.comm.feedback import FEEDBACK_ROW_ELEMS
 from zeropp_strategy.plan import Plan, explain
 
 __all__ = [
@@ -301,11 +302,11 @@ def cost(name: str, plan: Plan | None, model: ModelShape, cluster: Cluster, work
     if plan is not None and plan.error_feedback:  # qgZ (stage 2 or 3)'s kept errors: fp32, M chunks of T / N
         e.gpu["feedback_errors"] = 4 * T / L
     if plan is not None and plan.error_feedback_intra:  # ... and inside the node: int8 blocks of the whole gradient,
-        # plus three fp32 rows of the largest group's chunks while it is reduced (comm/zeropp.py's
-        # FEEDBACK_ROW_ELEMS: chunks up to 2**24 elements together, else one chunk, 1/N of it)
+        # plus three fp32 rows of the largest group's chunks while it is reduced (chunks up to
+        # FEEDBACK_ROW_ELEMS elements together, else one chunk, 1/N of the group)
         group = min(T, max(m.largest_block, m.root_params))
         e.gpu["feedback_errors"] = (e.gpu.get("feedback_errors", 0) + (1 + 4 / plan.gradient_block_elems) * T
-                                    + 12 * min(group, max(group / N, 2**24)))
+                                    + 12 * min(group, max(group / N, FEEDBACK_ROW_ELEMS)))
     stepped_on_host = moved_down = 0.0  # optimizer state the host steps, gradient bytes copied down
     if opt_off != "none":
         state = {"optimizer": e.gpu.pop("optimizer"), "gradients": e.gpu.pop("gradients")}

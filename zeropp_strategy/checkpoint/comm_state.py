@@ -36,6 +36,7 @@ from torch import nn
 
 from zeropp_strategy.checkpoint.sharded import QGZ_ERROR, _load, _metadata
 from zeropp_strategy.comm.feedback import INTRA_FEEDBACK, ErrorFeedback
+from zeropp_strategy.comm.zeropp import WeightDeltas
 from zeropp_strategy.engine.fsdp import kept_comm_states
 
 __all__ = ["QGZ_ERROR", "error_feedback_tensors", "load_error_feedback"]
@@ -63,7 +64,7 @@ def error_feedback_tensors(module: nn.Module) -> tuple[dict[str, torch.Tensor], 
 
 _AFRESH = {ErrorFeedback.name: "qgZ error feedback starts from zero errors",
            INTRA_FEEDBACK: "qgZ intra-node error feedback starts from zero errors",
-           "qwZ weight deltas": "qwZ weight deltas start again from the 16-bit shards"}
+           WeightDeltas.name: "qwZ weight deltas start again from the 16-bit shards"}
 
 
 def _saved_index(saved_kinds: list[str], states: list[Any]) -> tuple[list[int | None], dict[int, str]]:

@@ -8,11 +8,15 @@ from collections.abc import Callable
 
 import torch
 
-from zeropp_strategy.kernels import code_dtype, dequantize, quantize
+from zeropp_strategy.kernels import code_dtype, dequantize, quantize, quantized_nbytes
 
-__all__ = ["INTRA_FEEDBACK", "ErrorFeedback"]
+__all__ = ["FEEDBACK_ROW_ELEMS", "INTRA_FEEDBACK", "ErrorFeedback"]
 
 INTRA_FEEDBACK = "qgZ intra-node error feedback"  # the name of step 1's kept error
+# Step 1's feedback works on whole chunks, as many at a time as fit in this many elements (or
+# one): three fp32 rows of it are its scratch, and fewer rows are fewer kernel launches
+# (comm/zeropp.py takes them so; cost.py counts the scratch).
+FEEDBACK_ROW_ELEMS = 1 << 24
 
 
 class ErrorFeedback:
@@ -47,7 +51,7 @@ class ErrorFeedback:
         """The kept error of ``n`` elements as stored (fp32, or int8 codes then fp32 scales in
         one uint8 tensor): zeros when none is kept (or of another size), at a periodic reset,
         and at the first reduction (zero codes with zero scales decode to zero)."""
-        size = n if self.stored_bits == 32 else n + 4 * (n // self.block_elems)
+        size = n if self.stored_bits == 32 else quantized_nbytes(n, self.block_elems, 8)
         kept = self.kept
         if kept is None or kept.numel() != size or (self.reset_steps and self.count % self.reset_steps == 0):
             return torch.zeros(size, dtype=torch.float32 if self.stored_bits == 32 else torch.uint8, device=device)
@@ -75,8 +79,8 @@ class ErrorFeedback:
         codes = torch.empty(n * bits // 8, dtype=code_dtype(bits), device=device)
         scales = torch.empty(n // B, dtype=torch.float32, device=device)
         per_codes, per_scales, per_kept = row_elems * bits // 8, row_elems // B, row_elems // self.block_elems
-        kept_codes = kept[:n].view(torch.int8)
-        kept_scales = kept[n:].view(torch.float32)  # empty for fp32 storage
+        if self.stored_bits != 32:  # int8 codes of all n elements, then their fp32 scales
+            kept_codes, kept_scales = kept[:n].view(torch.int8), kept[n:].view(torch.float32)
         for i in range(rows):
             lo, hi = i * row_elems, (i + 1) * row_elems
             compensated = row(i)

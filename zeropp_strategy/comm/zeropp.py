@@ -99,6 +99,7 @@ from zeropp_strategy.comm.collectives import (
     tensor_bytes,
 )
 from zeropp_strategy.comm.comm_thread import BackwardDeferral
+from zeropp_strategy.comm import feedback as kept_errors
 from zeropp_strategy.comm.feedback import ErrorFeedback
 from zeropp_strategy.comm.hierarchical import NodeGroups, all_gather, finish_work, native_all_gather
 from zeropp_strategy.comm.ledger import CommKind, CommLedger
@@ -260,11 +261,6 @@ class QuantizedAllGather(EmptyAlloc, AllGather):
         return finish_work(work, finish, async_op)
 
 
-# Step 1's feedback works on whole chunks, as many at a time as fit in this many elements (or
-# one): three fp32 rows of it are its scratch, and fewer rows are fewer kernel launches.
-FEEDBACK_ROW_ELEMS = 1 << 24
-
-
 class HierarchicalQuantReduceScatter(EmptyAlloc, ReduceScatter):
     """qgZ: two-hop quantized gradient reduce-scatter (see [Note: qgZ])."""
 
@@ -353,12 +349,13 @@ class HierarchicalQuantReduceScatter(EmptyAlloc, ReduceScatter):
             codes, scales = swizzle_quantize(input_tensor, order, s, B, bits1)
         else:  # the same blocks, the kept error added first ([Note: qgZ error feedback]), k chunks at a time
             W = M * L
-            k = max(d for d in range(1, W + 1) if W % d == 0 and (d == 1 or d * s_pad <= FEEDBACK_ROW_ELEMS))
-            chunks = input_tensor.reshape(W, s)
+            k = max(d for d in range(1, W + 1)
+                    if W % d == 0 and (d == 1 or d * s_pad <= kept_errors.FEEDBACK_ROW_ELEMS))
+            chunks, index = input_tensor.reshape(W, s), torch.tensor(order, device=input_tensor.device)
             scratch = input_tensor.new_zeros((k, s_pad), dtype=torch.float32)
 
             def rows(i: int) -> torch.Tensor:
-                scratch[:, :s].copy_(chunks[torch.tensor(order[i * k:(i + 1) * k], device=chunks.device)])
+                scratch[:, :s].copy_(chunks[index[i * k:(i + 1) * k]])
                 scratch[:, s:] = 0.0
                 return scratch.view(-1)
 
