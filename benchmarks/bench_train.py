@@ -67,19 +67,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 LR, WEIGHT_DECAY = 5e-4, 0.01
 STATES_STEP = 1  # model states are read at the end of this step: a warm-up step, outside the timed ones
 SIZES = {"small": (4, 256), "medium": (8, 512), "large": (12, 768)}  # (layers, width): 3.3M, 25.5M, 85M params
-OURS = {
-    "zeropp_stage_1": {"stage": 1},
-    "zeropp_stage_1_overlap": {"stage": 1, "overlap_param_gather": True},
-    "zeropp_stage_2": {"stage": 2},
-    "zeropp_stage_3": {"stage": 3},
-    "zeropp_stage_3_bf16": {"stage": 3, "reduce_dtype": "bf16"},
-    "qwZ": {"stage": 3, "quantized_weights": True},
-    "hpZ": {"stage": 3, "hpz_partition_size": 0},
-    "qgZ": {"stage": 3, "quantized_gradients": True},
-    "zeropp": None,  # None: the registered preset of that name (ours_fields), what strategy="zeropp" gives
-    "zeropp_4bit": None,
-    "zeropp_delta": None,
-    # (preset, fields over it): the "Which level to use" rows of docs/zeropp.md with int8 gradients
+# system -> (the registered preset it starts from, or None for ZeroConfig's defaults; the fields
+# over it). A preset is read from the package at call time (ours_fields): strategy="zeropp" gives
+# the "zeropp" row.
+OURS: dict[str, tuple[str | None, dict]] = {
+    "zeropp_stage_1": (None, {"stage": 1}),
+    "zeropp_stage_1_overlap": (None, {"stage": 1, "overlap_param_gather": True}),
+    "zeropp_stage_2": (None, {"stage": 2}),
+    "zeropp_stage_3": (None, {"stage": 3}),
+    "zeropp_stage_3_bf16": (None, {"stage": 3, "reduce_dtype": "bf16"}),
+    "qwZ": (None, {"stage": 3, "quantized_weights": True}),
+    "hpZ": (None, {"stage": 3, "hpz_partition_size": 0}),
+    "qgZ": (None, {"stage": 3, "quantized_gradients": True}),
+    "zeropp": ("zeropp", {}),
+    "zeropp_4bit": ("zeropp_4bit", {}),
+    "zeropp_delta": ("zeropp_delta", {}),
+    # the "Which level to use" rows of docs/zeropp.md with int8 gradients
     "zeropp_grad_int8": ("zeropp", {"gradient_quant_bits": 8}),
     "zeropp_delta_grad_int8": ("zeropp_delta", {"gradient_quant_bits": 8}),
     # ... with error feedback: on both hops (what ZeroConfig.from_deepspeed makes of zeropp_loco_param),
@@ -98,16 +101,15 @@ SYSTEMS = [*OURS, "ddp", "fsdp2", *DEEPSPEED]
 
 
 def ours_fields(system: str) -> dict:
-    """The ZeroConfig fields of one of our systems: a registered preset's own, read at call
-    time from the package on the path (exit_check.py's ``--package-root`` puts another
-    checkout's there), or the table's."""
-    spec = OURS[system]
-    if spec is None or isinstance(spec, tuple):
-        from zeropp_strategy.presets import PRESETS
+    """The ZeroConfig fields of one of our systems: its preset's own, read at call time from
+    the package on the path (exit_check.py's ``--package-root`` puts another checkout's
+    there), with the table's fields over them."""
+    preset, fields = OURS[system]
+    if preset is None:
+        return dict(fields)
+    from zeropp_strategy.presets import PRESETS
 
-        preset, fields = (system, {}) if spec is None else spec
-        return {**PRESETS[preset], **fields}
-    return spec
+    return {**PRESETS[preset], **fields}
 
 
 def corpus(seq: int, vocab: int) -> TensorDataset:
