@@ -354,7 +354,7 @@ HOW_TO = """## Reading the results
   a few percent either side: qwZ's int8 step at initialisation (about 6e-4 for N(0, 0.02)
   weights) is as large as AdamW's first updates at lr 5e-4. The loss target is measured
   over 200 steps with warm-up and 3 seeds
-  ([zeropp.md](zeropp.md#measured-200-training-steps-cross-node-bytes-and-loss)).
+  ([zeropp_measurements.md](zeropp_measurements.md#measured-200-training-steps-cross-node-bytes-and-loss)).
 - **DeepSpeed's loss.** DeepSpeed clips the global gradient norm to 1.0 unless its config
   says otherwise (`gradient_clipping`); no other system here clips. The tables below were
   measured with that default: DeepSpeed's losses equal the others' for two steps (AdamW's

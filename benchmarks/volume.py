@@ -18,7 +18,7 @@ cell alike, and record the load average at the start of each run. A part's syste
 ``name~RATE`` runs at RATE instead of the part's rate, in the same rounds (``--part
 delta_200mbit``: DDP with no link limit beside three systems at 200 Mbit/s). The other parts
 (``4bit_*``, ``delta_*``, ``grad_int8``, ``loco``: issue 35's levels beside ``zeropp``) are listed with
-their results files in benchmarks/volume_cells.py; docs/zeropp.md holds their tables.
+their results files in benchmarks/volume_cells.py; docs/zeropp_measurements.md holds their tables.
 
 Every cell is one ``benchmarks/bench_train.py`` job on the simulated 2-node x 2-rank cluster
 (``benchmarks/simcluster.py``: two network namespaces, a veth shaped with ``tc tbf``),

@@ -361,7 +361,7 @@ def _delta_lines(results_dir: Path) -> list[str]:
               "on meta a Hugging Face model gets its own init's distributions but not a real build's draws "
               "(docs/strategy.md, \"Meta-device initialisation\"), so ours start from other values. The "
               "200-step losses, over 6 seeds, are docs/zeropp.md's."]
-    return lines + ["", "Targets and what limits them on 2 cores: docs/zeropp.md, \"Weight deltas\"."]
+    return lines + ["", "Targets and what limits them on 2 cores: docs/zeropp_measurements.md, \"Weight deltas\"."]
 
 
 def render_parts(results_dir: Path) -> list[str]:

@@ -254,7 +254,7 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
     "zeropp_offload_nvme": {**PRESETS["zeropp"], "offload_optimizer": "nvme", "offload_param": "nvme"},
 }
 NOT_RECOMMENDED = {"zeropp_4bit": "its loss ended 2.3% above stage 3's over 6 seeds of our 200-step benchmark "
-                                   "(docs/zeropp.md, \"The benchmark's GPT-2 was mis-initialized\")"}
+                                   "(docs/zeropp_measurements.md, \"The benchmark's GPT-2 was mis-initialized\")"}
 """Rows shown but never recommended on their own, with the reason the recommendation names."""
 FROZEN_CONFIGS: dict[str, dict[str, Any]] = {
     "zeropp + frozen int8": {**CONFIGS["zeropp"], "quantize_frozen_weights": True},  # type: ignore[dict-item]

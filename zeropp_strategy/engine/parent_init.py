@@ -9,7 +9,7 @@ sqrt(2 n_layer)`` (GPT-2's scaled init of the residual projections). ``materiali
 initializes the modules that hold tensors; alone, that left a GPT-2 built on the meta device
 (the default at stages 2/3) with std 0.02 there instead of 0.0071 for 4 layers: a model that
 trained slower and ended 200 steps 30% higher than the same model built for real
-(benchmarks/zeropp_convergence.py, docs/zeropp.md).
+(benchmarks/zeropp_convergence.py, docs/zeropp_measurements.md).
 
 ``ParentInits.after(m)`` runs, once ``m`` is initialized, the init of every module whose
 subtree ends with ``m`` (so deeper modules first: HF's order). Each such call runs twice:
