@@ -13,6 +13,8 @@ tests/test_parity.py::test_configure_model_builds_on_meta_at_stages_2_3.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -21,6 +23,7 @@ from tests._models import Net
 from zeropp_strategy.engine.materialize import materialize
 from zeropp_strategy.engine.meta_init import build_context, build_rng_state, meta_build
 from zeropp_strategy.errors import UsageError
+from zeropp_strategy.primitives import prefault
 
 
 def _is_meta_here() -> bool:
@@ -42,6 +45,33 @@ def test_a_meta_build_materializes_to_the_real_build_bit_for_bit() -> None:
         assert torch.equal(got, want), name
     assert torch.equal(torch.get_rng_state(), after_real)  # the generator where a real build leaves it
     assert build_rng_state(model) is None  # replayed once: a second materialization draws anew
+
+
+def _rss_kib() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="madvise(MADV_POPULATE_WRITE) is Linux's")
+def test_prefault_maps_fresh_host_pages_and_keeps_values(monkeypatch) -> None:
+    """[Note: prefaulting host shards] in primitives.py: the pages are resident after the one
+    call, the values are those written before it, small and meta tensors are left alone; and
+    materialize maps every host shard it allocates before filling it."""
+    fresh = torch.empty(64 * 2**20 // 4)
+    before = _rss_kib()
+    assert prefault([fresh]) >= 64 * 2**20 - 4096
+    assert _rss_kib() - before >= 60 * 1024
+    values = torch.randn(2**20)
+    kept = values.clone()
+    assert prefault([values, values[10:]]) >= 4 * 2**20 - 4096  # one storage, mapped once
+    assert torch.equal(values, kept)
+    assert prefault([torch.empty(100), torch.empty(2**20, device="meta")]) == 0
+    mapped: list[int] = []
+    monkeypatch.setattr("zeropp_strategy.engine.materialize.prefault", lambda ts: mapped.append(prefault(ts)))
+    with meta_build():
+        model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024))
+    materialize(model, torch.device("cpu"))
+    assert mapped and mapped[0] >= 2 * 4 * 2**20 - 2 * 4096
 
 
 def test_only_modules_holding_meta_tensors_are_materialized() -> None:

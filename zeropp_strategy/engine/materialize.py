@@ -27,6 +27,7 @@ from zeropp_strategy.engine.parent_init import ParentInits
 from zeropp_strategy.engine.peft_init import lora_inits
 from zeropp_strategy.engine.pretrained import Loads
 from zeropp_strategy.fsdp_private import group_params, param_groups, reset_sharded_param
+from zeropp_strategy.primitives import prefault
 
 
 @torch.no_grad()
@@ -94,10 +95,13 @@ def _materialize_meta_modules(root: nn.Module, device: torch.device, hf_init: di
     whose backbone was loaded for real (in ``__init__``, say) and whose head was built on the
     meta device keeps the backbone's values. FSDP2 re-reads every sharded parameter after the
     allocation (``reset_sharded_param``, what its own ``_apply`` does), before the values are
-    drawn into the shards."""
+    drawn into the shards. Host shards have their pages mapped before they are written
+    ([Note: prefaulting host shards] in primitives.py)."""
     todo = [m for m in root.modules() if _owns_meta(m)]
     to_empty_keeping_ties(todo, device)
     _reset_sharded_params(fsdp_modules(root))
+    if device.type == "cpu":
+        prefault(t for m in todo for t in _own_tensors(m))
     todo_ids = {id(m) for m in todo}
     for m in root.modules():  # in the streaming path's order: the same draws, bit for bit
         if id(m) in todo_ids:
