@@ -10,8 +10,9 @@ A run counts as aborted when any node's torchrun exits non-zero or any rank prin
 ``terminate called`` (the C++ runtime's line when a process group's threads are torn down
 during interpreter finalization: [Note: orderly exit] in engine/process_group.py). Prints
 one line per run and writes every run's result to ``--out``; exits 1 if any run aborted.
-Needs root (namespaces), like simcluster.py. The preset systems (``zeropp``, ``zeropp_4bit``)
-are read from the package under test (bench_train.py's ``ours_fields``): a checkout older
+Needs root (namespaces), like simcluster.py. The systems built on a preset (``zeropp``,
+``zeropp_4bit``, ``zeropp_delta`` and those over them: bench_train.py's ``OURS``) are read
+from the package under test (bench_train.py's ``ours_fields``): a checkout older
 than ``zeropp_strategy/presets.py``, or without that preset, cannot run them.
 """
 

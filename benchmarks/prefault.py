@@ -9,7 +9,8 @@ of ``--procs`` processes (one thread each, all at once, as the ranks of a node) 
 fresh memory (``faults``: one page fault per 4 KiB page on first write) or after
 ``prefault`` mapped its pages in one ``madvise(MADV_POPULATE_WRITE)``. The two ways
 alternate for ``--rounds`` rounds; each line is one process: seconds from the allocation to
-the last copy, and the process's system CPU time. Writes
+the last copy, and the process's system CPU time. Appends one run (with its date and the
+load average at its start: the gain depends on what else the machine does) to
 benchmarks/results/prefault.json.
 """
 
@@ -60,7 +61,7 @@ def main() -> None:
     if args.cell:
         print(json.dumps(cell(args.cell, numel)))
         return
-    rows = []
+    rows, load = [], os.getloadavg()
     for r in range(args.rounds):
         for mode in ("faults", "prefault"):
             procs = [subprocess.Popen([sys.executable, __file__, "--cell", mode, "--gb", str(args.gb)],
@@ -76,8 +77,10 @@ def main() -> None:
     for mode in ("faults", "prefault"):
         t = [row["total_s"] for row in rows if row["mode"] == mode]
         print(f"{mode:8s} {min(t):.2f}-{max(t):.2f} s per process ({args.procs} at once, {args.gb} GB fp32 each)")
-    RESULTS.write_text(json.dumps({"gb_per_process": args.gb, "procs": args.procs, "cpus": os.cpu_count(),
-                                   "rows": rows}, indent=1) + "\n")
+    runs = json.loads(RESULTS.read_text())["runs"] if RESULTS.exists() else []
+    runs.append({"date": time.strftime("%Y-%m-%d %H:%M"), "load_average_at_start": load, "gb_per_process": args.gb,
+                 "procs": args.procs, "cpus": os.cpu_count(), "rows": rows})
+    RESULTS.write_text(json.dumps({"runs": runs}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

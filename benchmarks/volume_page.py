@@ -360,7 +360,7 @@ def _delta_lines(results_dir: Path) -> list[str]:
               "`configure_model()` on the meta device: one init), not with DDP's and DeepSpeed's real builds: "
               "on meta a Hugging Face model gets its own init's distributions but not a real build's draws "
               "(docs/strategy.md, \"Meta-device initialisation\"), so ours start from other values. The "
-              "200-step losses, over 6 seeds, are docs/zeropp.md's."]
+              "200-step losses, over 6 seeds, are in docs/zeropp_measurements.md."]
     return lines + ["", "Targets and what limits them on 2 cores: docs/zeropp_measurements.md, \"Weight deltas\"."]
 
 

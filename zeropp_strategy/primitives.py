@@ -17,7 +17,6 @@ sits below the engine: the engine drives the host optimizer and the parameter st
 from __future__ import annotations
 
 import ctypes
-import errno
 import mmap
 import sys
 from collections.abc import Callable, Iterable
@@ -69,7 +68,28 @@ def trim_heap() -> None:
 
 
 _MADV_POPULATE_WRITE = 23  # Linux 5.14 and later
-_populate_works = sys.platform == "linux"
+_populate_works: bool | None = None if sys.platform == "linux" else False  # None: not asked yet
+
+
+def _populate(libc: Any, ptr: int, nbytes: int) -> int:
+    """``madvise(MADV_POPULATE_WRITE)`` of the whole pages inside ``[ptr, ptr + nbytes)``:
+    the bytes mapped, 0 where it failed or there is no whole page."""
+    page = mmap.PAGESIZE
+    start, end = -(-ptr // page) * page, (ptr + nbytes) // page * page
+    if end <= start or libc.madvise(start, end - start, _MADV_POPULATE_WRITE) != 0:
+        return 0
+    return end - start
+
+
+def _populate_supported(libc: Any) -> bool:
+    """Whether this kernel knows ``MADV_POPULATE_WRITE``: asked once, on fresh anonymous
+    memory (EINVAL there means the advice is unknown; on another mapping it can also mean
+    that mapping cannot be populated, such as a device's pinned host memory)."""
+    global _populate_works
+    if _populate_works is None:
+        probe = torch.empty(3 * mmap.PAGESIZE, dtype=torch.uint8)
+        _populate_works = _populate(libc, probe.data_ptr(), probe.numel()) > 0
+    return _populate_works
 
 
 def prefault(tensors: Iterable[Tensor], min_bytes: int = 1 << 20) -> int:
@@ -82,21 +102,25 @@ def prefault(tensors: Iterable[Tensor], min_bytes: int = 1 << 20) -> int:
     a 2.7B model's fp32 shards on 2 ranks takes 1.33 million such faults per rank, and on a
     virtual machine their cost varies severalfold between runs (docs/pretrained.md). Mapped
     by the kernel in one call per storage, the same pages cost less system time when the
-    faults are slow: that load (``benchmarks/pretrained.py``, 2 ranks on 2 cores) went from
-    4.2-4.8 s to 4.0-4.3 s, with 2.4-2.8 s of system time per rank instead of 3.2-3.8 s. On a
-    quiet machine the fill alone gains nothing (``benchmarks/prefault.py``: 1.73-2.12 s
-    against 1.83-2.19 s; in a run beside other work 2.33-4.61 s against 2.13-2.34 s).
+    faults are slow: that load (``benchmarks/pretrained.py``, 2 ranks on 2 cores, an idle
+    machine) took 3.9-4.3 s with it and 4.2-4.8 s without in three alternating rounds, with
+    2.4-3.2 s of system time per rank with it (four runs) and 3.2-3.8 s without (three).
+    The fill alone (``benchmarks/prefault.py``) showed no gain in its recorded runs (idle, and
+    beside a 4-rank training run), so the gain is in the load's own mix of work; it is
+    modest, and kept because the system time fell in every set of rounds
+    (benchmarks/results/pretrained_prefault_2026-11-29.json).
     The memory is the same: the shards are written in full right after."""
-    global _populate_works
     libc = _libc()
-    if not (libc and _populate_works):
+    if not (libc and _populate_supported(libc)):
         return 0
-    page, seen, done = mmap.PAGESIZE, set(), 0
+    seen, done = set(), 0
     for t in tensors:
         t = local(t)
         if t.device.type != "cpu":
             continue
         try:
+            if t.is_pinned():  # mapped already (and a device's pinned memory cannot be populated)
+                continue
             storage = t.untyped_storage()
             ptr, nbytes = storage.data_ptr(), storage.nbytes()
         except RuntimeError:  # a wrapper subclass (int4 frozen weights): no storage of its own
@@ -104,14 +128,7 @@ def prefault(tensors: Iterable[Tensor], min_bytes: int = 1 << 20) -> int:
         if nbytes < min_bytes or ptr in seen:
             continue
         seen.add(ptr)
-        start, end = -(-ptr // page) * page, (ptr + nbytes) // page * page
-        if end <= start:
-            continue
-        if libc.madvise(start, end - start, _MADV_POPULATE_WRITE) == 0:
-            done += end - start
-        elif ctypes.get_errno() == errno.EINVAL:  # a kernel without it: the pages fault in as written
-            _populate_works = False
-            return done
+        done += _populate(libc, ptr, nbytes)  # a failure leaves the pages to fault in as written
     return done
 
 
