@@ -180,15 +180,26 @@ class Record(Callback):
         ledger.reset()
 
 
+QUANTILES = (0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99)
+SNAPSHOT_FRACTIONS = (0.125, 0.25, 0.5, 1.0)  # of the run's steps: when Probe takes its quantiles
+
+
 class Probe(Callback):
     """``--probe``: before each optimizer step (and before clipping), the global L2 norm of the
     reduced gradients and the mean of AdamW's ``exp_avg_sq`` over every element, summed over
     the ranks' shards (one plain ``dist`` all-reduce, which the ledger does not book: the
-    bytes per step are unchanged)."""
+    bytes per step are unchanged). At the steps of ``SNAPSHOT_FRACTIONS``, also the
+    ``QUANTILES`` over every element of the model of ``exp_avg_sq`` and of AdamW's update
+    before the learning rate, ``|exp_avg| / (sqrt(exp_avg_sq) + eps)``, and the fraction of
+    elements whose ``exp_avg_sq`` is exactly zero (never a nonzero gradient): the mean is
+    dominated by the largest elements and cannot show what happens to the small ones
+    (the shards gathered with ``all_gather_object``, also outside the ledger)."""
 
-    def __init__(self) -> None:
+    def __init__(self, steps: int) -> None:
         self.grad_norm: list[float] = []
         self.exp_avg_sq_mean: list[float] = []
+        self.snapshot_steps = sorted({max(0, round(f * steps) - 1) for f in SNAPSHOT_FRACTIONS})
+        self.quantiles: dict[str, dict[str, list[float] | float]] = {}
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         sq = sum((local(p.grad).float().pow(2).sum() for p in pl_module.parameters() if p.grad is not None),
@@ -202,6 +213,25 @@ class Probe(Callback):
         torch.distributed.all_reduce(both)
         self.grad_norm.append(both[0].sqrt().item())
         self.exp_avg_sq_mean.append((both[1] / both[2]).item() if both[2] else 0.0)
+        if trainer.global_step in self.snapshot_steps:
+            self._snapshot(trainer.global_step, optimizer)
+
+    def _snapshot(self, step: int, optimizer) -> None:
+        eps = optimizer.param_groups[0]["eps"]
+        vs, us = [], []
+        for state in optimizer.state.values():
+            if "exp_avg_sq" in state:
+                v, m = local(state["exp_avg_sq"]).float().reshape(-1), local(state["exp_avg"]).float().reshape(-1)
+                vs.append(v)
+                us.append(m.abs() / (v.sqrt() + eps))
+        parts: list = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(parts, (torch.cat(vs), torch.cat(us)))
+        v, u = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        q = torch.tensor(QUANTILES, dtype=torch.float64)
+        # torch.quantile takes at most 2**24 elements: the benchmark's model has about 3.3M
+        self.quantiles[str(step + 1)] = {"exp_avg_sq": torch.quantile(v.double(), q).tolist(),
+                                         "update": torch.quantile(u.double(), q).tolist(),
+                                         "exp_avg_sq_zero_fraction": (v == 0).double().mean().item()}
 
 
 TAIL = 20
@@ -223,7 +253,7 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS))
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--probe", action="store_true",
-                        help="also record each step's gradient norm and AdamW's mean exp_avg_sq (Probe)")
+                        help="also record each step's gradient norm and AdamW's mean exp_avg_sq, and quantiles of its state (Probe)")
     parser.add_argument("--plot", type=Path, default=None)
     parser.add_argument("--plot-variants", nargs="+", default=None, help="variants to draw (default: all)")
     parser.add_argument("--from-json", type=Path, nargs="+", default=None,
@@ -242,7 +272,7 @@ def main() -> None:
         runs = []
         for seed in args.seeds:
             seed_everything(seed)
-            rec, probe = Record(), Probe()
+            rec, probe = Record(), Probe(args.steps)
             strategy = ZeroPPStrategy(stage=3, simulated_nodes=2, **VARIANTS[name])
             trainer = Trainer(
                 strategy=strategy, accelerator="cpu", devices=world, max_steps=args.steps,
@@ -254,7 +284,8 @@ def main() -> None:
             runs.append({"seed": seed, "loss": rec.losses, "inter_bytes_per_step": rec.inter[1:],
                          "inter_bytes_by_kind_step1": rec.by_kind})
             if args.probe:
-                runs[-1].update(grad_norm=probe.grad_norm, exp_avg_sq_mean=probe.exp_avg_sq_mean)
+                runs[-1].update(grad_norm=probe.grad_norm, exp_avg_sq_mean=probe.exp_avg_sq_mean,
+                                quantiles=probe.quantiles)
             if rank0:
                 print(f"{name} seed {seed}: final loss {final_loss(rec.losses):.4f}", flush=True)
         results[name] = {"runs": runs, "config": {"stage": 3, "simulated_nodes": 2, **VARIANTS[name]}}  # what ran
