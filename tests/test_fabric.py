@@ -125,6 +125,42 @@ def test_fabric_loop_matches_fabric_ddp(tmp_path):
                 assert value <= TOL, f"rank {rank} {name} {variant}: max |param - ddp| = {value}"
 
 
+def _gradients_worker(rank, world):
+    from tests._models import Net, dataset
+    from zeropp_strategy.fabric import _unwrap
+
+    x, y = dataset().tensors
+    x, y = x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4]  # each rank its own batch
+    out, ref = {}, {}
+    for name in ("ddp", *STAGES):
+        fabric = _fabric(name, world)
+        torch.manual_seed(1234)
+        model = fabric.setup_module(Net())
+        fabric.backward(torch.nn.functional.cross_entropy(model(x), y))
+        if name == "ddp":
+            ref = {n: p.grad.detach().clone() for n, p in _unwrap(model).named_parameters()}
+            continue
+        full = fabric.strategy.full_gradients(model)
+        own = {n: p.grad for n, p in _unwrap(model).named_parameters()}
+        out[name] = {
+            "names": sorted(full) == sorted(ref),
+            "full": max((full[n] - ref[n]).abs().max().item() for n in ref),
+            # what p.grad itself holds differs from DDP's (the reason for the method)
+            "own": max(((own[n] - ref[n]).abs().max().item() for n in ref if own[n] is not None
+                        and not isinstance(own[n], torch.distributed.tensor.DTensor)), default=0.0),
+        }
+    return out
+
+
+def test_full_gradients_are_what_fabric_ddp_leaves_in_grad():
+    """[docs/fabric.md: What p.grad holds] ``strategy.full_gradients(model)`` equals DDP's
+    ``p.grad`` at every stage; at stage 1 ``p.grad`` itself does not (unowned rows)."""
+    for rank, out in enumerate(run_ranks(_gradients_worker, 2, (), timeout_s=300)):
+        for name, got in out.items():
+            assert got["names"] and got["full"] <= TOL, (rank, name, got)
+        assert out["zeropp_stage_1"]["own"] > 1e-4, (rank, out["zeropp_stage_1"])
+
+
 # qgZ with error feedback on 2 simulated nodes of 1 rank: its kept errors go through the
 # sharded checkpoint too ([Note: error feedback in checkpoints]). int8 on the first hop: with
 # one rank per node an int4 partial would requantize to itself, leaving no error to keep.

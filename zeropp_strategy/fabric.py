@@ -46,9 +46,10 @@ from zeropp_strategy.config import ZeroConfig
 from zeropp_strategy.engine.core import ZeroEngine
 from zeropp_strategy.engine.fsdp_groups import fsdp_modules
 from zeropp_strategy.engine.guards import check_nonfinite_policy, named_parameters
-from zeropp_strategy.engine.guards import unwrap as _unwrap  # noqa: F401 - tests import it from here
+from zeropp_strategy.engine.guards import unwrap as _unwrap  # tests import it from here too
 from zeropp_strategy.engine.meta_init import build_context, has_meta
 from zeropp_strategy.engine.precision import PrecisionPolicy
+from zeropp_strategy.engine.state import full_gradients
 from zeropp_strategy.session import ZeroSession
 
 
@@ -225,6 +226,14 @@ class ZeroPPFabricStrategy(ProcessMixin, ParallelStrategy):
                 "clipped. Fix: find the source of the inf/NaN, or pass error_if_nonfinite=False."
             )
         return total
+
+    def full_gradients(self, module: Module) -> dict[str, Tensor]:
+        """Collective (every rank, after ``fabric.backward`` and before ``zero_grad``): the
+        gradients ``strategy="ddp"`` leaves in ``p.grad``, whole tensors averaged over the
+        ranks, on every rank, keyed by the model's parameter names. ``p.grad`` itself is not
+        that here (at stage 1 only the rows a rank owns are averaged, at stages 2/3 it is the
+        rank's shard); read gradients through here to log or check them."""
+        return full_gradients(_unwrap(module), stage=self.session.stage, ledger=self.session.ledger)
 
     def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: float | int) -> None:
         self.precision.unscale_gradients(optimizer)
