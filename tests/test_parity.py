@@ -281,3 +281,36 @@ def _stage3_small(rank: int, world: int, simulated_nodes: int) -> dict:
         "comm": trainer.strategy.comm_stats(),
         "node": trainer.strategy.topology.node,
     }
+
+
+def _gradients_worker(rank, world):
+    from lightning.pytorch import Callback, Trainer
+
+    from tests._models import ParityModule, trainer_kwargs
+
+    class Grads(Callback):  # the first step's gradients, as the user's hook would read them
+        got: dict | None = None
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            if self.got is None:
+                if trainer.strategy.__class__.__name__ == "ZeroPPStrategy":
+                    self.got = trainer.strategy.full_gradients()
+                else:
+                    self.got = {n: p.grad.detach().clone() for n, p in pl_module.named_parameters()
+                                if p.grad is not None}
+
+    out = {}
+    for strategy in ("ddp", "zeropp_stage_1", "zeropp_stage_2", "zeropp_stage_3"):
+        grads = Grads()
+        Trainer(strategy=strategy, callbacks=[grads], **trainer_kwargs(world, max_steps=1)).fit(ParityModule())
+        out[strategy] = {n: g.cpu() for n, g in grads.got.items()}
+    ref = out.pop("ddp")
+    return {s: (sorted(g) == sorted(ref), max((g[n] - ref[n]).abs().max().item() for n in ref)) for s, g in out.items()}
+
+
+def test_full_gradients_are_what_ddp_leaves_in_grad():
+    """``trainer.strategy.full_gradients()`` in ``on_before_optimizer_step`` equals DDP's
+    ``p.grad`` there, at every stage (docs/strategy.md)."""
+    for rank, out in enumerate(run_ranks(_gradients_worker, 2, (), timeout_s=300)):
+        for strategy, (same_names, diff) in out.items():
+            assert same_names and diff <= TOL, (rank, strategy, diff)

@@ -60,6 +60,7 @@ from zeropp_strategy.engine.fsdp_groups import fsdp_modules
 from zeropp_strategy.engine.guards import check_nonfinite_policy
 from zeropp_strategy.engine.memory import MemoryStats, memory_stats
 from zeropp_strategy.engine.meta_init import build_context, has_meta
+from zeropp_strategy.engine.state import full_gradients
 from zeropp_strategy.lightning.checkpoint_hooks import CheckpointMixin
 from zeropp_strategy.lightning.evaluation import EvaluationMixin
 from zeropp_strategy.lightning.precision import PrecisionMixin, ZeroPPPrecision
@@ -189,6 +190,16 @@ class StrategyMixin(CheckpointMixin, EvaluationMixin, ProcessMixin):
 
     def reset_comm_stats(self) -> None:
         self.comm_ledger.reset()
+
+    def full_gradients(self, module: Module | None = None) -> dict[str, Tensor]:
+        """Collective (every rank, after backward and before the gradients are cleared: in
+        ``on_before_optimizer_step``, say): the gradients ``strategy="ddp"`` leaves in
+        ``p.grad``, whole tensors averaged over the ranks, on every rank, keyed by parameter
+        name, for ``module`` (default: the LightningModule). ``p.grad`` itself is not that
+        here (at stage 1 only the rows a rank owns are averaged, at stages 2/3 it is the
+        rank's shard); read gradients through here to log or check them."""
+        module = self.lightning_module if module is None else module
+        return full_gradients(module, stage=self.session.stage, ledger=self.session.ledger)
 
     def explain(self) -> str:
         """The plan of this run as text (``ZeroSession.explain``): every decision with its
