@@ -188,17 +188,18 @@ class Probe(Callback):
     """``--probe``: before each optimizer step (and before clipping), the global L2 norm of the
     reduced gradients and the mean of AdamW's ``exp_avg_sq`` over every element, summed over
     the ranks' shards (one plain ``dist`` all-reduce, which the ledger does not book: the
-    bytes per step are unchanged). At the steps of ``SNAPSHOT_FRACTIONS``, also the
-    ``QUANTILES`` over every element of the model of ``exp_avg_sq`` and of AdamW's update
-    before the learning rate, ``|exp_avg| / (sqrt(exp_avg_sq) + eps)``, and the fraction of
-    elements whose ``exp_avg_sq`` is exactly zero (never a nonzero gradient): the mean is
+    bytes per step are unchanged). Before the steps at ``SNAPSHOT_FRACTIONS`` of the run
+    (keyed by the updates done so far: 24, 49, 99, 199 of 200), also the ``QUANTILES`` over
+    every element of the model of ``exp_avg_sq`` and of AdamW's update before the learning
+    rate and without its bias correction, ``|exp_avg| / (sqrt(exp_avg_sq) + eps)``, and the
+    fraction of elements whose ``exp_avg_sq`` is exactly zero (never a nonzero gradient): the mean is
     dominated by the largest elements and cannot show what happens to the small ones
     (the shards gathered with ``all_gather_object``, also outside the ledger)."""
 
     def __init__(self, steps: int) -> None:
         self.grad_norm: list[float] = []
         self.exp_avg_sq_mean: list[float] = []
-        self.snapshot_steps = sorted({max(0, round(f * steps) - 1) for f in SNAPSHOT_FRACTIONS})
+        self.snapshot_steps = sorted({max(1, round(f * steps) - 1) for f in SNAPSHOT_FRACTIONS})  # 0: no state yet
         self.quantiles: dict[str, dict[str, list[float] | float]] = {}
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
@@ -229,7 +230,7 @@ class Probe(Callback):
         v, u = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
         q = torch.tensor(QUANTILES, dtype=torch.float64)
         # torch.quantile takes at most 2**24 elements: the benchmark's model has about 3.3M
-        self.quantiles[str(step + 1)] = {"exp_avg_sq": torch.quantile(v.double(), q).tolist(),
+        self.quantiles[str(step)] = {  # the state after ``step`` updates"exp_avg_sq": torch.quantile(v.double(), q).tolist(),
                                          "update": torch.quantile(u.double(), q).tolist(),
                                          "exp_avg_sq_zero_fraction": (v == 0).double().mean().item()}
 

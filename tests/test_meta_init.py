@@ -63,10 +63,14 @@ def test_prefault_maps_fresh_host_pages_and_keeps_values(monkeypatch) -> None:
     call, the values are those written before it, small and meta tensors are left alone; and
     materialize maps every host shard it allocates before filling it."""
     page = mmap.PAGESIZE
-    fresh = torch.empty(64 * 2**20 // 4)
+    # fresh anonymous pages for sure: a torch.empty could reuse memory the process touched before
+    region = mmap.mmap(-1, 64 * 2**20)
+    fresh = torch.frombuffer(region, dtype=torch.uint8)
     before = _rss_kib()
-    assert prefault([fresh]) >= 64 * 2**20 - page
+    assert prefault([fresh]) == 64 * 2**20
     assert _rss_kib() - before >= 60 * 1024
+    del fresh
+    region.close()
     values = torch.randn(2**20)
     kept = values.clone()
     assert 4 * 2**20 - page <= prefault([values, values[10:]]) <= 4 * 2**20  # one storage, mapped once

@@ -232,7 +232,9 @@ class ZeroPPFabricStrategy(ProcessMixin, ParallelStrategy):
         gradients ``strategy="ddp"`` leaves in ``p.grad``, whole tensors averaged over the
         ranks, on every rank, keyed by the model's parameter names. ``p.grad`` itself is not
         that here (at stage 1 only the rows a rank owns are averaged, at stages 2/3 it is the
-        rank's shard); read gradients through here to log or check them."""
+        rank's shard); read gradients through here to log or check them. Only after a
+        backward that reduced the gradients (outside ``fabric.no_backward_sync``): before
+        one, each rank's gradients are its own and this mixes ranks' unreduced rows."""
         return full_gradients(_unwrap(module), stage=self.session.stage, ledger=self.session.ledger)
 
     def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: float | int) -> None:

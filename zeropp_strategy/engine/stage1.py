@@ -33,8 +33,9 @@ its all-reduce. So after backward, ``p.grad`` holds the averaged gradient only i
 rank's rows (``row_range``); the other rows keep this rank's own, unreduced
 contribution. Everything we do with gradients reads this rank's rows (clipping sums
 their squares and all-reduces one scalar; the inf check of fp16 scaling all-reduces a
-flag); a user who needs a whole averaged gradient at stage 1 must gather it (or use
-``strategy="ddp"``). 0-dim parameters' gradients are all-reduced whole.
+flag); a user who needs the whole averaged gradients at stage 1 reads them through
+``engine.state.full_gradients`` (each front-end's ``full_gradients``). 0-dim parameters'
+gradients are all-reduced whole.
 
 [Note: stage-1 asynchronous gather]
 By default ``step()`` gathers the updated rows one bucket after another, each bucket in

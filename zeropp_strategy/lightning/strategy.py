@@ -197,7 +197,9 @@ class StrategyMixin(CheckpointMixin, EvaluationMixin, ProcessMixin):
         ``p.grad``, whole tensors averaged over the ranks, on every rank, keyed by parameter
         name, for ``module`` (default: the LightningModule). ``p.grad`` itself is not that
         here (at stage 1 only the rows a rank owns are averaged, at stages 2/3 it is the
-        rank's shard); read gradients through here to log or check them."""
+        rank's shard); read gradients through here to log or check them. Only on a step
+        that reduced the gradients (with ``accumulate_grad_batches``, the last micro-batch's:
+        ``on_before_optimizer_step`` is one); before it each rank's gradients are its own."""
         module = self.lightning_module if module is None else module
         return full_gradients(module, stage=self.session.stage, ledger=self.session.ledger)
 
