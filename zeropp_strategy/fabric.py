@@ -46,10 +46,9 @@ from zeropp_strategy.config import ZeroConfig
 from zeropp_strategy.engine.core import ZeroEngine
 from zeropp_strategy.engine.fsdp_groups import fsdp_modules
 from zeropp_strategy.engine.guards import check_nonfinite_policy, named_parameters
-from zeropp_strategy.engine.guards import unwrap as _unwrap  # tests import it from here too
+from zeropp_strategy.engine.guards import unwrap as _unwrap  # noqa: F401 - tests import it from here
 from zeropp_strategy.engine.meta_init import build_context, has_meta
 from zeropp_strategy.engine.precision import PrecisionPolicy
-from zeropp_strategy.engine.state import full_gradients
 from zeropp_strategy.session import ZeroSession
 
 
@@ -235,7 +234,7 @@ class ZeroPPFabricStrategy(ProcessMixin, ParallelStrategy):
         rank's shard); read gradients through here to log or check them. Only after a
         backward that reduced the gradients (outside ``fabric.no_backward_sync``): before
         one, each rank's gradients are its own and this mixes ranks' unreduced rows."""
-        return full_gradients(_unwrap(module), stage=self.session.stage, ledger=self.session.ledger)
+        return self.session.full_gradients(module)
 
     def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: float | int) -> None:
         self.precision.unscale_gradients(optimizer)

@@ -72,6 +72,7 @@ from zeropp_strategy.engine.precision import (
     clip_grad_value,
 )
 from zeropp_strategy.engine.process_group import check_offload_paths, connect, destroy_at_exit
+from zeropp_strategy.engine.state import full_gradients
 from zeropp_strategy.fsdp_private import keep_unsharded_after_forward
 from zeropp_strategy.engine.watchdog import PeerWatchdog
 from zeropp_strategy.plan import Plan, resolve
@@ -362,6 +363,10 @@ class ZeroSession:
 
     def clip_grad_value(self, optimizer: Optimizer, value: float) -> None:
         clip_grad_value(optimizer, float(value))
+
+    def full_gradients(self, module: nn.Module) -> dict[str, Tensor]:
+        """Collective: ``module``'s gradients as DDP leaves them in ``p.grad`` (engine/state.py)."""
+        return full_gradients(unwrap(module), stage=self.stage, ledger=self.ledger)
 
     def check_step(self, named_params: list[tuple[str, Tensor]], loss: Any, *, scaled: bool = False) -> bool:
         """Before an optimizer step: the ``on_nonfinite`` policy (one flag all-reduce when

@@ -48,7 +48,7 @@ from zeropp_strategy.engine.guards import unwrap as _unwrap
 from zeropp_strategy.engine.precision import PrecisionPolicy, ShardedGradScaler
 from zeropp_strategy.engine.process_group import check_offload_paths, connect, default_backend
 from zeropp_strategy.engine.grad_reads import GradientReadWarning
-from zeropp_strategy.engine.state import full_gradients, full_model_state
+from zeropp_strategy.engine.state import full_model_state
 from zeropp_strategy.session import ZeroSession
 
 __all__ = ["CONFIG_ENV", "GradientReadWarning", "ZeroPPAccelerator", "config_from_env", "torchrun_without_gpu"]
@@ -349,7 +349,7 @@ class ZeroPPAccelerator(Accelerator):
         if self.zero_engine is None or not getattr(model, "_zeropp_prepared", False):
             return {n: p.grad.detach().clone() for n, p in self.unwrap_model(model).named_parameters()
                     if p.grad is not None}
-        return full_gradients(_unwrap(model), stage=self.session.stage, ledger=self.session.ledger)
+        return self.session.full_gradients(model)
 
     # -- state --------------------------------------------------------------------------
 

@@ -60,7 +60,6 @@ from zeropp_strategy.engine.fsdp_groups import fsdp_modules
 from zeropp_strategy.engine.guards import check_nonfinite_policy
 from zeropp_strategy.engine.memory import MemoryStats, memory_stats
 from zeropp_strategy.engine.meta_init import build_context, has_meta
-from zeropp_strategy.engine.state import full_gradients
 from zeropp_strategy.lightning.checkpoint_hooks import CheckpointMixin
 from zeropp_strategy.lightning.evaluation import EvaluationMixin
 from zeropp_strategy.lightning.precision import PrecisionMixin, ZeroPPPrecision
@@ -201,7 +200,7 @@ class StrategyMixin(CheckpointMixin, EvaluationMixin, ProcessMixin):
         that reduced the gradients (with ``accumulate_grad_batches``, the last micro-batch's:
         ``on_before_optimizer_step`` is one); before it each rank's gradients are its own."""
         module = self.lightning_module if module is None else module
-        return full_gradients(module, stage=self.session.stage, ledger=self.session.ledger)
+        return self.session.full_gradients(module)
 
     def explain(self) -> str:
         """The plan of this run as text (``ZeroSession.explain``): every decision with its
