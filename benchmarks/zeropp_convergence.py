@@ -230,9 +230,9 @@ class Probe(Callback):
         v, u = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
         q = torch.tensor(QUANTILES, dtype=torch.float64)
         # torch.quantile takes at most 2**24 elements: the benchmark's model has about 3.3M
-        self.quantiles[str(step)] = {  # the state after ``step`` updates"exp_avg_sq": torch.quantile(v.double(), q).tolist(),
-                                         "update": torch.quantile(u.double(), q).tolist(),
-                                         "exp_avg_sq_zero_fraction": (v == 0).double().mean().item()}
+        self.quantiles[str(step)] = {"exp_avg_sq": torch.quantile(v.double(), q).tolist(),  # after ``step`` updates
+                                     "update": torch.quantile(u.double(), q).tolist(),
+                                     "exp_avg_sq_zero_fraction": (v == 0).double().mean().item()}
 
 
 TAIL = 20
