@@ -20,6 +20,7 @@ import pytest
 import torch
 from torch import nn
 
+from benchmarks.rss import status as rss
 from tests._models import Net
 from zeropp_strategy.engine.materialize import materialize
 from zeropp_strategy.engine.meta_init import build_context, build_rng_state, meta_build
@@ -48,11 +49,6 @@ def test_a_meta_build_materializes_to_the_real_build_bit_for_bit() -> None:
     assert build_rng_state(model) is None  # replayed once: a second materialization draws anew
 
 
-def _rss_kib() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-
-
 def _populate_unsupported() -> bool:
     return sys.platform != "linux" or prefault([torch.empty(2**20)]) == 0
 
@@ -66,9 +62,9 @@ def test_prefault_maps_fresh_host_pages_and_keeps_values(monkeypatch) -> None:
     # fresh anonymous pages for sure: a torch.empty could reuse memory the process touched before
     region = mmap.mmap(-1, 64 * 2**20)
     fresh = torch.frombuffer(region, dtype=torch.uint8)
-    before = _rss_kib()
+    before = rss()["VmRSS"]
     assert prefault([fresh]) == 64 * 2**20
-    assert _rss_kib() - before >= 60 * 1024
+    assert rss()["VmRSS"] - before >= 60 * 2**20
     del fresh
     region.close()
     values = torch.randn(2**20)
