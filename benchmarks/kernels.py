@@ -5,6 +5,7 @@
     python benchmarks/kernels.py --block-sweep --out block_sweep.json
     python benchmarks/kernels.py --tile-sweep                   # CUDA only: re-tune the tile
     python benchmarks/kernels.py --cpu-suite --out cpu.json     # the torch path at training sizes
+    python benchmarks/kernels.py --cpu-suite --ops ErrorFeedback.quantize_rows --sizes 256K,1M,4M,8M
 
 GB/s counts each byte an op must move once: quantize reads the input and writes codes plus
 fp32 scales; dequantize reads codes plus scales and writes the output; swizzle_quantize moves
@@ -19,7 +20,9 @@ and the Triton result is checked to be bit-identical to the reference ("exact" c
 training step hands it: flat shards of 0.1M, 1M and 4M elements; weights in bf16 with
 int8 blocks of 256 (ZeroConfig.weight_quant_block_elems), gradients in fp32 with int4
 blocks of 64 (gradient_quant_block_elems); dequantize_gathered over 4 ranks' payloads,
-beside the per-rank dequantize loop it replaces. docs/_kernels_cpu_note.md has the table.
+beside the per-rank dequantize loop it replaces; and qgZ's error feedback on one gradient row
+(``ErrorFeedback.quantize_rows``, its error kept in fp32 and as int8 blocks). The tables:
+docs/zeropp_measurements.md, "On CPU: the torch reference's speed".
 
 ``--block-sweep`` measures what the block size buys: relative L2 error of block int8/int4
 quantization against per-tensor int8/int4 for every weight matrix of a GPT-2-shaped model
@@ -272,12 +275,38 @@ def _cpu_cases(numel: int, wb: int, gb: int) -> list[tuple[str, str, int, object
          lambda: dequant_reduce_quantize_ref(rc, rs, **red_kw, requantize=False)),
         ("pack_int4", "int8 -> uint8", numel + numel // 2, lambda: pack_int4(codes8)),
         ("unpack_int4", "uint8 -> int8", numel // 2 + numel, lambda: unpack_int4(packed)),
+        *_feedback_cases(g, gb),
     ]  # fmt: skip
+
+
+def _feedback_cases(g: torch.Tensor, gb: int) -> list[tuple[str, str, int, object]]:
+    """qgZ's error feedback as comm/zeropp.py calls it, one row: the cross-node hop's (its
+    error kept in fp32) and the intra-node hop's (kept as int8 blocks), each taking the
+    gradient into its scratch row first (the copy the real call makes). Bytes: the gradient
+    read, the row written, int4 codes and scales out, the kept error read and written."""
+    from zeropp_strategy.comm.feedback import ErrorFeedback
+
+    numel, cpu = g.numel(), torch.device("cpu")
+    row = torch.empty_like(g)
+    q_bytes = quantized_nbytes(numel, gb, 4)
+    cases = []
+    for stored, what in ((32, "fp32 error (cross-node)"), (8, "int8 error (intra-node)")):
+        fb = ErrorFeedback(beta=0.8, reset_steps=0, stored_bits=stored, block_elems=gb)
+        kept_bytes = 4 * numel if stored == 32 else quantized_nbytes(numel, gb, 8)
+
+        def call(fb=fb):
+            return fb.quantize_rows(1, numel, lambda i: row.copy_(g), gb, 4, device=cpu)
+
+        cases.append(("ErrorFeedback.quantize_rows", f"fp32 int4 B={gb}, {what}", 8 * numel + q_bytes + 2 * kept_bytes,
+                      call))
+    return cases
 
 
 def cpu_suite(args: argparse.Namespace) -> dict:
     """Median ms per call and GB/s of every CPU case; with ``--chunk-sweep`` once per value of
-    reference._CHUNK_ELEMS (the measurement behind that constant)."""
+    reference._CHUNK_ELEMS and comm/feedback.py's FEEDBACK_PIECE_ELEMS, set together (the
+    measurement behind both constants)."""
+    from zeropp_strategy.comm import feedback
     from zeropp_strategy.config import ZeroConfig
     from zeropp_strategy.kernels import reference
 
@@ -285,19 +314,24 @@ def cpu_suite(args: argparse.Namespace) -> dict:
     device, cfg = torch.device("cpu"), ZeroConfig()
     wb, gb = cfg.weight_quant_block_elems, cfg.gradient_quant_block_elems
     chunks = CPU_CHUNK_SWEEP if args.chunk_sweep else (reference._CHUNK_ELEMS,)
-    saved, rows = reference._CHUNK_ELEMS, []
+    # getattr: a package from before the feedback's pieces (PYTHONPATH=BEFORE) runs too
+    saved, saved_piece, rows = reference._CHUNK_ELEMS, getattr(feedback, "FEEDBACK_PIECE_ELEMS", None), []
+    only = set(args.ops.split(",")) if args.ops else None
     try:
         for numel in [_parse_size(s) for s in (args.sizes or CPU_SIZES).split(",")]:
             for op, what, nbytes, fn in _cpu_cases(numel, wb, gb):
+                if only is not None and op.strip() not in only:
+                    continue
                 for chunk in chunks:
-                    reference._CHUNK_ELEMS = chunk
+                    reference._CHUNK_ELEMS = chunk  # the error feedback's pieces take the same sizes
+                    feedback.FEEDBACK_PIECE_ELEMS = chunk
                     ms = _time_ms(fn, device)
                     rows.append({"op": op, "what": what, "numel": numel, "chunk_elems": chunk, "bytes": nbytes,
                                  "ms": ms, "GBps": nbytes / ms / 1e6})  # fmt: skip
                     if args.verbose:
                         print(_cpu_row_md(rows[-1]), flush=True)
     finally:
-        reference._CHUNK_ELEMS = saved
+        reference._CHUNK_ELEMS, feedback.FEEDBACK_PIECE_ELEMS = saved, saved_piece
     return {"device": _hardware(device), "torch": torch.__version__, "rows": rows}
 
 
@@ -411,7 +445,8 @@ def main() -> None:
                     "with --cpu-suite)")
     ap.add_argument("--blocks", default="64,256,1024,4096", help="block_elems values")
     ap.add_argument("--bits", default="8,4")
-    ap.add_argument("--ops", help=f"comma list of {', '.join(OPS)}; default: all on CUDA, the first two on CPU")
+    ap.add_argument("--ops", help=f"comma list of {', '.join(OPS)}; default: all on CUDA, the first two on CPU "
+                                  "(--cpu-suite: of its op names, e.g. ErrorFeedback.quantize_rows; default all)")
     ap.add_argument("--dtype", default="float32", help="input (quantize) / output (dequantize) dtype")
     ap.add_argument("--block-sweep", action="store_true", help="quantization error vs block size instead of GB/s")
     ap.add_argument("--tile-sweep", action="store_true", help="Triton GB/s per tile size and warp count (CUDA)")

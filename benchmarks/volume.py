@@ -280,7 +280,8 @@ def main() -> None:
     parser.add_argument("--rates", nargs="+", choices=list(CELLS), default=None,
                         help="the suite: run only these rates' cells (with --append: more rounds of them)")
     parser.add_argument("--before-root", type=Path, default=None,
-                        help="--part stage1: a folder holding the zeropp_strategy package to compare against")
+                        help="--part stage1 / loco_pieces: a folder holding the zeropp_strategy package to compare "
+                             "against (its cells named @before)")
     args = parser.parse_args()
     args.size, args.nproc_per_node, args.cell_timeout_s = "small", 2, 900
     if args.part == "suite":

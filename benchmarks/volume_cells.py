@@ -35,12 +35,15 @@ PARTS = {
     # inside the node with the cross-node hop fed back, beside zeropp, with no limit and at 50 Mbit/s
     "loco": ("unlimited", ["small"], ["zeropp", "zeropp_loco", "zeropp_ef", "zeropp~50mbit", "zeropp_loco~50mbit",
                                       "zeropp_ef~50mbit"]),
+    # the intra-node feedback in cache-sized pieces (2026-11-29), against the package before it
+    # (--before-root) in the same rounds, beside zeropp, with no limit (where its CPU time shows)
+    "loco_pieces": ("unlimited", ["small"], ["zeropp", "zeropp_loco", "zeropp_loco@before"]),
 }
 PART_FILES = {"stage1": "volume_stage1_async.json", "sizes": "volume_sizes_1gbit.json",
               "4bit_50mbit": "volume_4bit_50mbit.json", "4bit_unlimited": "volume_4bit_unlimited.json",
               "delta_50mbit": "volume_delta_50mbit.json", "delta_unlimited": "volume_delta_unlimited.json",
               "delta_200mbit": "volume_delta_200mbit.json", "grad_int8": "volume_grad_int8.json",
-              "loco": "volume_loco.json"}
+              "loco": "volume_loco.json", "loco_pieces": "volume_loco_pieces.json"}
 SUITE_FILES = {"fp32": "volume_bf16_fp32mm.json", "native": "volume_bf16.json"}  # by --bf16-matmul
 ARCHIVED_SUITES = ["volume_bf16_fp32mm_2026-11-25.json"]
 """Earlier runs of the suite kept on the page below the newest, newest first; each JSON's

@@ -307,6 +307,26 @@ def _triton_cases() -> dict[str, Callable[[], None]]:
             _assert_equal("reduce(bf16_scales)", _dev("dequant_reduce_quantize", codes, scales, **kw), want)
             assert torch.equal(want[1], want[1].to(torch.bfloat16).float())
 
+    for bits in BITS:
+
+        @case(f"quantize-into-residual-int{bits}")
+        def _(bits=bits):
+            # error feedback's call (comm/feedback.py): Triton's quantize written into the
+            # buffers and its decoded difference left in x, against the CPU reference's
+            x = _randn(f"into-{bits}", 64 * 40)
+            x[:64] = 0.0
+            x[100] = float("inf")
+            want_x = x.clone()
+            want = tuple(torch.empty_like(t) for t in quantize_ref(x, 64, bits))
+            kernels.quantize_into(want_x, *want, 64, bits, residual=True)
+            dev_x = x.to(_DEVICE)
+            got = tuple(torch.empty_like(t, device=_DEVICE) for t in want)
+            kernels.quantize_into(dev_x, *got, 64, bits, residual=True)
+            _assert_equal("quantize_into", (got[0].cpu(), got[1].cpu().view(torch.int32)),
+                          (want[0], want[1].view(torch.int32)))
+            got_x, nan = dev_x.cpu(), want_x.isnan()
+            assert torch.equal(got_x.isnan(), nan) and torch.equal(got_x[~nan], want_x[~nan])
+
     @case("user-errors")
     def _():
         from zeropp_strategy.kernels import triton_quant as tq

@@ -330,3 +330,51 @@ def test_dequantize_gathered_bad_arguments():
         kernels.dequantize_gathered(gathered, **(ok | {"out": torch.empty(600, dtype=torch.int32)}))
     with pytest.raises(ValueError, match="not contiguous.*Fix:"):
         kernels.dequantize_gathered(gathered, **(ok | {"out": torch.empty(2, 600)[:, ::2]}))
+
+
+@pytest.mark.parametrize("bf16", (False, True))
+@pytest.mark.parametrize("bits", BITS)
+def test_quantize_into_equals_quantize_and_its_residual_the_decoded_difference(monkeypatch, bits, bf16):
+    """``kernels.quantize_into`` writes quantize's bytes into the given buffers; with
+    ``residual`` the input becomes ``x - dequantize(codes, scales)`` (computed from the
+    rounded quotients, not by decoding): equal in value, NaN where that is NaN, across zero,
+    -0.0, subnormal, tiny-negative and inf blocks, in chunks of one block and unchunked."""
+    from zeropp_strategy.kernels import reference as ref
+
+    b, n = 64, 64 * 9
+    x = _randn(f"into-{bits}-{bf16}", n)
+    x[:64] = 0.0
+    x[64:128] = -0.0
+    x[128:192] *= 1e-40 / x[128:192].abs().max()  # a subnormal scale
+    x[192:256] = -1e-30
+    x[256] = 1.0  # the rest of its block rounds to -0.0 quotients
+    x[320:384] *= 1e30
+    x[400] = float("inf")
+    for chunk in (1 << 30, b):
+        monkeypatch.setattr(ref, "_CHUNK_ELEMS", chunk)
+        want_codes, want_scales = kernels.quantize(x, b, bits, bf16_scales=bf16)
+        codes, scales = torch.empty_like(want_codes), torch.empty_like(want_scales)
+        kernels.quantize_into(x, codes, scales, b, bits, bf16_scales=bf16)
+        bits_of = lambda c, s: (c, s.view(torch.int32))  # noqa: E731 - NaN scales compared by their bits
+        _assert_equal(f"into chunk={chunk}", bits_of(codes, scales), bits_of(want_codes, want_scales))
+        dropped = x.clone()
+        kernels.quantize_into(dropped, codes, scales, b, bits, bf16_scales=bf16, residual=True)
+        _assert_equal(f"into residual chunk={chunk}", bits_of(codes, scales), bits_of(want_codes, want_scales))
+        want = x - kernels.dequantize(want_codes, want_scales, b, n, bits)
+        assert torch.equal(dropped.isnan(), want.isnan()) and dropped.isnan()[384:448].all(), chunk
+        assert torch.equal(dropped[~want.isnan()], want[~want.isnan()]), chunk
+
+
+def test_quantize_into_bad_arguments():
+    x = torch.randn(320)
+    codes, scales = torch.empty(160, dtype=torch.uint8), torch.empty(5)
+    with pytest.raises(ValueError, match=r"codes is torch.int8\(160,\).*160 torch.uint8.*Fix:"):
+        kernels.quantize_into(x, codes.view(torch.int8), scales, 64, 4)
+    with pytest.raises(ValueError, match=r"scales is torch.float32\(4,\).*5 torch.float32.*Fix:"):
+        kernels.quantize_into(x, codes, scales[:4], 64, 4)
+    with pytest.raises(ValueError, match="residual=True.*fp32, contiguous and whole blocks of 64.*Fix:"):
+        kernels.quantize_into(x[:300], codes, scales, 64, 4, residual=True)
+    with pytest.raises(ValueError, match="residual=True.*Fix:"):
+        kernels.quantize_into(x.bfloat16(), codes, scales, 64, 4, residual=True)
+    with pytest.raises(TypeError, match="floating-point.*Fix:"):
+        kernels.quantize_into(torch.ones(320, dtype=torch.int32), codes, scales, 64, 4)

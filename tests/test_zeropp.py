@@ -360,6 +360,38 @@ def test_error_feedback_keeps_no_nonfinite_error(stored):
     assert torch.isfinite(scales).all(), scales
 
 
+@pytest.mark.parametrize("stored", [32, 8])
+def test_error_feedback_in_pieces_equals_whole_rows(monkeypatch, stored):
+    """On the CPU quantize_rows goes through each row in pieces (FEEDBACK_PIECE_ELEMS, whole
+    blocks of the gradient's and the kept error's sizes); pieces of 128 elements give the
+    same codes, scales, kept error and scratch, bit for bit, as whole rows, over steps with a
+    reset and an inf (NaN positions compared, not NaN bits), 3 rows per call."""
+    import zeropp_strategy.comm.feedback as feedback_module
+    from zeropp_strategy.comm.feedback import ErrorFeedback
+
+    B, eb, rows, row_elems = 32, 64, 3, 64 * 10
+    g = torch.Generator().manual_seed(11)
+
+    def run(piece):
+        monkeypatch.setattr(feedback_module, "FEEDBACK_PIECE_ELEMS", piece)
+        ef, out = ErrorFeedback(beta=0.8, reset_steps=3, stored_bits=stored, block_elems=eb), []
+        g.manual_seed(11)
+        for step in range(5):
+            x = torch.randn(rows, row_elems, generator=g) * 10.0 ** (step - 2)
+            if step == 2:
+                x[1, 77] = float("inf")
+            codes, scales = ef.quantize_rows(rows, row_elems, lambda i: x[i], B, 4, device=torch.device("cpu"))
+            out.append((codes, scales, ef.kept.clone(), x))
+        return out
+
+    def same(a, b):
+        return torch.equal(a.isnan(), b.isnan()) and torch.equal(a[~a.isnan()], b[~b.isnan()])
+
+    for (c1, s1, k1, x1), (c2, s2, k2, x2) in zip(run(128), run(1 << 30), strict=True):
+        assert torch.equal(c1, c2) and same(s1, s2) and same(x1, x2)
+        assert torch.equal(k1, k2) if stored == 8 else same(k1, k2)
+
+
 def _with_feedbacks(errors, reductions):
     """A module whose two 'FSDP groups' carry qgZ error feedback, as engine/fsdp.py attaches it."""
     from types import SimpleNamespace

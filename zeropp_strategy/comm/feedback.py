@@ -4,19 +4,25 @@ comm/zeropp.py, which calls it; checkpoint/comm_state.py saves it)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
 
-from zeropp_strategy.kernels import code_dtype, dequantize, quantize, quantized_nbytes
+from zeropp_strategy.kernels import code_dtype, dequantize, quantize_into, quantized_nbytes
 
-__all__ = ["FEEDBACK_ROW_ELEMS", "INTRA_FEEDBACK", "ErrorFeedback"]
+__all__ = ["FEEDBACK_PIECE_ELEMS", "FEEDBACK_ROW_ELEMS", "INTRA_FEEDBACK", "ErrorFeedback"]
 
 INTRA_FEEDBACK = "qgZ intra-node error feedback"  # the name of step 1's kept error
 # Step 1's feedback works on whole chunks, as many at a time as fit in this many elements (or
 # one): three fp32 rows of it are its scratch, and fewer rows are fewer kernel launches
 # (comm/zeropp.py takes them so; cost.py counts the scratch).
 FEEDBACK_ROW_ELEMS = 1 << 24
+# On the CPU a row goes through in pieces of about this many elements, each in cache for all
+# of its passes (as the kernels' reference works: [Note: fast CPU reference]). Chosen with
+# `python benchmarks/kernels.py --cpu-suite --chunk-sweep --ops ErrorFeedback.quantize_rows`
+# (docs/zeropp_measurements.md, "On CPU: the torch reference's speed").
+FEEDBACK_PIECE_ELEMS = 1 << 18
 
 
 class ErrorFeedback:
@@ -71,33 +77,42 @@ class ErrorFeedback:
         """``quantize`` of ``rows`` rows of ``row_elems`` elements (whole blocks) back to back,
         one row at a time: ``row(i)`` gives row i in fp32, which this call overwrites, so no
         scratch is larger than a row's. A non-finite error (an inf or NaN gradient) is kept
-        as zero, so that one bad step does not spoil its blocks until the next reset."""
+        as zero, so that one bad step does not spoil its blocks until the next reset.
+
+        On the CPU a row goes through in pieces of about ``FEEDBACK_PIECE_ELEMS`` elements
+        (whole blocks of both block sizes), each in cache for all of its passes, and no
+        temporary is as large as a row; the blocks are the same, so is every code and scale.
+        ``kernels.quantize_into`` writes the codes where they go and leaves what they drop in
+        the row, without decoding them (on the CPU)."""
         B, n = block_elems, rows * row_elems
-        assert row_elems % B == 0 and row_elems % self.block_elems == 0, (row_elems, B, self.block_elems)
+        eb = self.block_elems
+        assert row_elems % B == 0 and row_elems % eb == 0, (row_elems, B, eb)
         kept, beta = self._kept(n, device), self.beta
         self.count += 1
         codes = torch.empty(n * bits // 8, dtype=code_dtype(bits), device=device)
         scales = torch.empty(n // B, dtype=torch.float32, device=device)
-        per_codes, per_scales, per_kept = row_elems * bits // 8, row_elems // B, row_elems // self.block_elems
-        if self.stored_bits != 32:  # int8 codes of all n elements, then their fp32 scales
+        int8_kept = self.stored_bits != 32
+        if int8_kept:  # int8 codes of all n elements, then their fp32 scales
             kept_codes, kept_scales = kept[:n].view(torch.int8), kept[n:].view(torch.float32)
+        unit = math.lcm(B, eb)  # a piece holds whole blocks of both sizes
+        piece = row_elems if device.type != "cpu" else min(row_elems, max(unit, FEEDBACK_PIECE_ELEMS // unit * unit))
+        error_buf = torch.empty(piece, dtype=torch.float32, device=device) if int8_kept else None
         for i in range(rows):
-            lo, hi = i * row_elems, (i + 1) * row_elems
-            compensated = row(i)
-            if self.stored_bits == 32:
-                error = kept[lo:hi]  # updated in place
-            else:
-                error = dequantize(kept_codes[lo:hi], kept_scales[i * per_kept:(i + 1) * per_kept],
-                                   self.block_elems, row_elems, 8)
-            compensated.add_(error)
-            c, sc = quantize(compensated, B, bits, bf16_scales=bf16_scales)
-            dropped = compensated.sub_(dequantize(c, sc, B, row_elems, bits))
-            torch.nan_to_num_(error.mul_(beta).add_(dropped, alpha=1.0 - beta), nan=0.0, posinf=0.0, neginf=0.0)
-            if self.stored_bits != 32:
-                ec, es = quantize(error, self.block_elems, 8)
-                kept_codes[lo:hi] = ec
-                kept_scales[i * per_kept:(i + 1) * per_kept] = es
-            codes[i * per_codes:(i + 1) * per_codes] = c.view(-1)
-            scales[i * per_scales:(i + 1) * per_scales] = sc
+            row_i = row(i)
+            for a in range(i * row_elems, (i + 1) * row_elems, piece):  # a: the piece's first element of n
+                m = min(piece, (i + 1) * row_elems - a)
+                compensated = row_i[a - i * row_elems:a - i * row_elems + m]
+                if int8_kept:
+                    error = dequantize(kept_codes[a:a + m], kept_scales[a // eb:(a + m) // eb], eb, m, 8,
+                                       out=error_buf[:m])
+                else:
+                    error = kept[a:a + m]  # updated in place
+                compensated.add_(error)
+                quantize_into(compensated, codes[a * bits // 8:(a + m) * bits // 8], scales[a // B:(a + m) // B], B,
+                              bits, bf16_scales=bf16_scales, residual=True)  # compensated: now what was dropped
+                torch.nan_to_num_(error.mul_(beta).add_(compensated, alpha=1.0 - beta), nan=0.0, posinf=0.0,
+                                  neginf=0.0)
+                if int8_kept:
+                    quantize_into(error, kept_codes[a:a + m], kept_scales[a // eb:(a + m) // eb], eb, 8)
         self.kept = kept
         return codes, scales

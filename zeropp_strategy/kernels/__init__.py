@@ -48,6 +48,7 @@ from zeropp_strategy.kernels.checks import (
     check_chunks,
     check_gathered,
     check_input,
+    check_into,
     check_out,
     check_quant_args,
     check_quantized,
@@ -61,6 +62,7 @@ from zeropp_strategy.kernels.reference import (
     dequantize_ref,
     num_blocks,
     padded_numel,
+    quantize_into_ref,
     quantize_ref,
     quantized_nbytes,
     swizzle_quantize_ref,
@@ -71,6 +73,7 @@ __all__ = [
     "check_chunks",
     "check_gathered",
     "check_input",
+    "check_into",
     "check_out",
     "check_quant_args",
     "check_quantized",
@@ -83,6 +86,7 @@ __all__ = [
     "num_blocks",
     "padded_numel",
     "quantize",
+    "quantize_into",
     "quantized_nbytes",
     "swizzle_quantize",
 ]
@@ -129,6 +133,29 @@ def quantize(
     if kernel_backend(x) == "triton":
         return _triton().quantize_triton(x, block_elems, bits, bf16_scales=bf16_scales)
     return quantize_ref(x, block_elems, bits, bf16_scales=bf16_scales)
+
+
+def quantize_into(
+    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block_elems: int, bits: int = 8, *,
+    bf16_scales: bool = False, residual: bool = False,
+) -> None:
+    """``quantize`` written into ``codes`` and ``scales`` (contiguous, of quantize's sizes),
+    and with ``residual`` x (fp32, contiguous, whole blocks) overwritten with what the codes
+    drop, ``x - dequantize(codes, scales)``: error feedback's two steps in one call. On the
+    CPU the residual comes from the rounded quotients, not from decoding the codes (the same
+    values, but for the sign of a zero: reference.quantize_into_ref); Triton quantizes, then
+    decodes and subtracts."""
+    check_quant_args(block_elems, bits)
+    check_input(x)
+    check_into(x, codes, scales, block_elems, bits, residual)
+    if kernel_backend(x) != "triton":
+        quantize_into_ref(x, codes, scales, block_elems, bits, bf16_scales=bf16_scales, residual=residual)
+        return
+    c, s = _triton().quantize_triton(x, block_elems, bits, bf16_scales=bf16_scales)
+    codes.copy_(c.view(-1))
+    scales.copy_(s)
+    if residual:
+        x.view(-1).sub_(_triton().dequantize_triton(c, s, block_elems, x.numel(), bits, torch.float32, out=None))
 
 
 def dequantize(

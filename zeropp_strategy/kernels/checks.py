@@ -17,6 +17,7 @@ __all__ = [
     "check_chunks",
     "check_gathered",
     "check_input",
+    "check_into",
     "check_quant_args",
     "check_quantized",
     "normalize_order",
@@ -43,6 +44,28 @@ def check_quant_args(block_elems: int, bits: int) -> None:
 def check_input(x: torch.Tensor) -> None:
     if not x.is_floating_point():
         raise TypeError(f"x has dtype {x.dtype}; quantize takes a floating-point tensor. Fix: cast it to float.")
+
+
+def check_into(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block_elems: int, bits: int,
+               residual: bool) -> None:
+    """``codes`` and ``scales`` can take ``quantize(x, block_elems, bits)`` in place, and with
+    ``residual`` x can take what it drops (fp32, contiguous, whole blocks)."""
+    n = x.numel()
+    want_codes, want_scales = padded_numel(n, block_elems) * bits // 8, num_blocks(n, block_elems)
+    for name, t, dtype, numel in (("codes", codes, code_dtype(bits), want_codes),
+                                  ("scales", scales, torch.float32, want_scales)):
+        if t.dtype != dtype or t.numel() != numel or not t.is_contiguous() or t.device != x.device:
+            raise ValueError(
+                f"{name} is {t.dtype}{tuple(t.shape)} on {t.device}; quantize_into writes {numel} {dtype} elements "
+                f"for x's {n} at block_elems={block_elems}, bits={bits}. Fix: pass a contiguous buffer of that size "
+                "on x's device."
+            )
+    if residual and (x.dtype != torch.float32 or not x.is_contiguous() or n % block_elems):
+        raise ValueError(
+            f"x is {x.dtype}{tuple(x.shape)}{'' if x.is_contiguous() else ', not contiguous'}; residual=True "
+            f"overwrites it with what the codes drop, which needs fp32, contiguous and whole blocks of "
+            f"{block_elems}. Fix: quantize an fp32 copy padded to whole blocks, or pass residual=False."
+        )
 
 
 def check_chunks(numel: int, chunk_elems: int) -> int:

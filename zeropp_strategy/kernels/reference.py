@@ -44,7 +44,7 @@ collective, so they are written for speed without changing a single output bit:
 - Work goes chunk by chunk (``_CHUNK_ELEMS`` elements of whole blocks) through scratch
   buffers allocated once per call: every temporary stays in cache, and none is large
   enough to be a fresh mmap (first touch of a 16 MB temporary cost more than the
-  arithmetic on it; see docs/_kernels_cpu_note.md).
+  arithmetic on it; see docs/zeropp_measurements.md, "On CPU: the torch reference's speed").
 - Non-fp32 inputs are converted into the fp32 scratch first; the absmax is then
   ``max(amax, -amin)`` on fp32 (the same value as ``abs().amax()``, without an abs pass;
   bf16 reductions are several times slower than fp32 ones in torch 2.13 on CPU).
@@ -87,11 +87,11 @@ def code_dtype(bits: int) -> torch.dtype:
 
 # Elements per chunk: 2**20 (4 MiB of fp32 scratch). Chosen with
 # `python benchmarks/kernels.py --cpu-suite --chunk-sweep` (AMD EPYC, 2 cores, 1 torch thread as
-# in training, torch 2.13; docs/_kernels_cpu_note.md): per-op dispatch costs ~5 us at one
-# thread and a chunk runs ~15 ops per source, so 2**16 was 1.5-2.5x slower at 1M-4M
-# elements; unchunked (whole-tensor temporaries) was 1.1-2.2x slower than 2**20 at 4M, 8.8x
-# for dequantize_gathered over 4 ranks (first-touch page faults of 16-64 MB scratch, out
-# of cache); 2**20 was best or within noise everywhere.
+# in training, torch 2.13; docs/zeropp_measurements.md, "On CPU: the torch reference's
+# speed"): per-op dispatch costs ~5 us at one thread and a chunk runs ~15 ops per source, so
+# 2**16 was 1.5-2.5x slower at 1M-4M elements; unchunked (whole-tensor temporaries) was
+# 1.1-2.2x slower than 2**20 at 4M, 8.8x for dequantize_gathered over 4 ranks (first-touch
+# page faults of 16-64 MB scratch, out of cache); 2**20 was best or within noise everywhere.
 _CHUNK_ELEMS = 1 << 20
 _TINY = torch.finfo(torch.float32).tiny  # smallest normal fp32
 
@@ -270,6 +270,30 @@ def quantize_ref(
     sc = _scratch(num_blocks(flat.numel(), block_elems), block_elems, bits, flat.device, bf16_scales)
     _quantize_flat_into(flat, codes, scales, block_elems, bits, sc)
     return codes, scales
+
+
+def quantize_into_ref(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block_elems: int, bits: int = 8, *,
+                      bf16_scales: bool = False, residual: bool = False) -> None:  # fmt: skip
+    """``quantize_ref`` of ``x`` written into ``codes`` and ``scales`` (its layout, contiguous).
+    ``residual``: x (fp32, contiguous, whole blocks) is then overwritten with what the codes
+    drop, ``x - dequantize_ref(codes, scales)``: each rounded quotient (at 2 bits its level)
+    times its scale, the product dequantize_ref forms, without decoding the codes. The same
+    values as that difference, bit for bit but for the sign of a zero (a quotient that rounds
+    to -0.0 leaves -0.0 - -0.0 = +0.0 where decoding, whose codes have no -0, leaves -0.0)."""
+    n, b = x.numel(), block_elems
+    sc = _scratch(num_blocks(n, b), b, bits, x.device, bf16_scales)
+    if not residual:
+        _quantize_flat_into(x.reshape(-1), codes, scales, b, bits, sc)
+        return
+    full, step = n // b, _chunk_rows(b)
+    blocks = x.view(full, b)
+    for r0 in range(0, full, step):
+        r1 = min(full, r0 + step)
+        _quantize_rows(blocks[r0:r1], _code_slice(codes, r0, r1, b, bits), scales[r0:r1], bits, sc)
+        y = sc.f32(r1 - r0, b)  # the rounded quotients the codes hold (2 bits: f of the level 2f + 1)
+        if bits == 2:
+            y.mul_(2).add_(1)
+        blocks[r0:r1].sub_(y.mul_(scales[r0:r1, None]))
 
 
 def _dequantize_into(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, block_elems: int, bits: int,
