@@ -624,6 +624,7 @@ def _page_imports() -> dict[str, Any]:
         ("docs/strategy.md", "ZeroPPStrategy, PRESETS,"),
         ("docs/strategy.md", "cfg = ZeroConfig(stage=2, wrap_modules=[\"GPT2Block\"]"),
         ("docs/strategy.md", "warnings.filterwarnings(\"ignore\", category=ZeroConfigWarning)"),
+        ("docs/strategy.md", "warnings.filterwarnings(\"ignore\", category=GradientReadWarning)"),
         ("docs/strategy.md", "plugins=[ZeroPPPrecision(\"16-mixed\")]"),
         ("docs/accelerate.md", "from zeropp_strategy.accelerate.launch import main"))
 def test_object_building_examples_run(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:

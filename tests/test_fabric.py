@@ -126,22 +126,34 @@ def test_fabric_loop_matches_fabric_ddp(tmp_path):
 
 
 def _gradients_worker(rank, world):
+    import warnings
+
     from tests._models import Net, dataset
+    from zeropp_strategy import GradientReadWarning
     from zeropp_strategy.fabric import _unwrap
 
     x, y = dataset().tensors
     x, y = x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4]  # each rank its own batch
-    out, ref = {}, {}
+    out, ref, warned = {}, {}, {}
     for name in ("ddp", *STAGES):
         fabric = _fabric(name, world)
         torch.manual_seed(1234)
         model = fabric.setup_module(Net())
-        fabric.backward(torch.nn.functional.cross_entropy(model(x), y))
-        if name == "ddp":
-            ref = {n: p.grad.detach().clone() for n, p in _unwrap(model).named_parameters()}
-            continue
-        full = fabric.strategy.full_gradients(model)
-        own = {n: p.grad for n, p in _unwrap(model).named_parameters()}
+        optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            fabric.backward(torch.nn.functional.cross_entropy(model(x), y))
+            if name == "ddp":
+                ref = {n: p.grad.detach().clone() for n, p in _unwrap(model).named_parameters()}
+                continue
+            full = fabric.strategy.full_gradients(model)  # the package's reads: silent
+            fabric.clip_gradients(model, optimizer, max_norm=1e9)  # the global norm: silent too
+            params = _unwrap(model).named_parameters()
+            own = {n: None if (g := p.grad) is None else g.detach().clone() for n, p in params}  # GRAD READ
+            optimizer.step()
+            optimizer.zero_grad()
+        warned[name] = [(Path(w.filename).name, w.lineno, str(w.message)) for w in seen
+                        if issubclass(w.category, GradientReadWarning)]
         out[name] = {
             "names": sorted(full) == sorted(ref),
             "full": max((full[n] - ref[n]).abs().max().item() for n in ref),
@@ -149,16 +161,26 @@ def _gradients_worker(rank, world):
             "own": max(((own[n] - ref[n]).abs().max().item() for n in ref if own[n] is not None
                         and not isinstance(own[n], torch.distributed.tensor.DTensor)), default=0.0),
         }
-    return out
+    source = Path(__file__).read_text().splitlines()
+    line = 1 + next(i for i, ln in enumerate(source) if ln.rstrip().endswith("# GRAD READ"))
+    return out, warned, line
 
 
 def test_full_gradients_are_what_fabric_ddp_leaves_in_grad():
     """[docs/fabric.md: What p.grad holds] ``strategy.full_gradients(model)`` equals DDP's
-    ``p.grad`` at every stage; at stage 1 ``p.grad`` itself does not (unowned rows)."""
-    for rank, out in enumerate(run_ranks(_gradients_worker, 2, (), timeout_s=300)):
+    ``p.grad`` at every stage; at stage 1 ``p.grad`` itself does not (unowned rows), and the
+    loop's read of it gives one ``GradientReadWarning`` naming that line and the fix, while
+    ``full_gradients``, ``fabric.clip_gradients`` and the optimizer step are silent (as is
+    every read at stages 2 and 3)."""
+    for rank, (out, warned, line) in enumerate(run_ranks(_gradients_worker, 2, (), timeout_s=300)):
         for name, got in out.items():
             assert got["names"] and got["full"] <= TOL, (rank, name, got)
         assert out["zeropp_stage_1"]["own"] > 1e-4, (rank, out["zeropp_stage_1"])
+        assert warned["zeropp_stage_2"] == warned["zeropp_stage_3"] == [], (rank, warned)
+        assert len(warned["zeropp_stage_1"]) == 1, (rank, warned)
+        name, at, message = warned["zeropp_stage_1"][0]
+        assert (name, at) == ("test_fabric.py", line), (rank, warned, line)
+        assert "fabric.strategy.full_gradients(model)" in message and "fabric.clip_gradients" in message, message
 
 
 # qgZ with error feedback on 2 simulated nodes of 1 rank: its kept errors go through the

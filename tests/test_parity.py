@@ -19,6 +19,8 @@ Also checked here, from the same runs:
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests._dist import run_ranks
@@ -284,9 +286,14 @@ def _stage3_small(rank: int, world: int, simulated_nodes: int) -> dict:
 
 
 def _gradients_worker(rank, world):
-    from lightning.pytorch import Callback, Trainer
+    import warnings
 
+    from lightning.pytorch import Callback, Trainer
+    from lightning.pytorch.utilities import grad_norm
+
+    import zeropp_strategy.engine.grad_reads as grad_reads
     from tests._models import ParityModule, trainer_kwargs
+    from zeropp_strategy import GradientReadWarning
 
     class Grads(Callback):  # the first step's gradients, as the user's hook would read them
         got: dict | None = None
@@ -294,15 +301,29 @@ def _gradients_worker(rank, world):
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
             if self.got is None:
-                self.own = {n: p.grad.detach().clone() for n, p in pl_module.named_parameters()
-                            if p.grad is not None}
                 is_ours = trainer.strategy.__class__.__name__ == "ZeroPPStrategy"
-                self.got = trainer.strategy.full_gradients() if is_ours else self.own
+                full = trainer.strategy.full_gradients() if is_ours else None  # the package's reads: silent
+                params = pl_module.named_parameters()
+                self.own = {n: p.grad.detach().clone() for n, p in params if p.grad is not None}  # GRAD READ
+                self.got = full if is_ours else self.own
 
-    out, own1 = {}, {}
+    class Norms(Callback):  # Lightning's own utility, as its docs show it
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            self.norms = grad_norm(pl_module, norm_type=2)  # GRAD NORM
+
+    def fit(strategy, callbacks, **kw):
+        grad_reads._warned = False  # once per process: each fit may warn anew
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            Trainer(strategy=strategy, callbacks=callbacks, **trainer_kwargs(world, max_steps=1), **kw).fit(
+                ParityModule())
+        return [(Path(w.filename).name, w.lineno, str(w.message)) for w in seen
+                if issubclass(w.category, GradientReadWarning)]
+
+    out, own1, warned = {}, {}, {}
     for strategy in ("ddp", "zeropp_stage_1", "zeropp_stage_2", "zeropp_stage_3"):
         grads = Grads()
-        Trainer(strategy=strategy, callbacks=[grads], **trainer_kwargs(world, max_steps=1)).fit(ParityModule())
+        warned[strategy] = fit(strategy, [grads])
         out[strategy] = {n: g.cpu() for n, g in grads.got.items()}
         if strategy == "zeropp_stage_1":
             own1 = grads.own
@@ -311,13 +332,31 @@ def _gradients_worker(rank, world):
               for s, g in out.items()}
     # what p.grad itself holds at stage 1 differs from DDP's (the reason for the method)
     result["own_stage_1"] = (True, max((own1[n] - ref[n]).abs().max().item() for n in ref))
-    return result
+    # Lightning's grad_norm at stage 1 warns at its caller's line; Lightning's own clipping
+    # (through this package's precision plugin) and the optimizer step do not
+    warned["grad_norm"] = fit("zeropp_stage_1", [Norms()])
+    warned["clipping"] = fit("zeropp_stage_1", [], gradient_clip_val=1.0)
+    source = Path(__file__).read_text().splitlines()
+    lines = {tag: 1 + next(i for i, ln in enumerate(source) if ln.rstrip().endswith(f"# {tag}"))
+             for tag in ("GRAD READ", "GRAD NORM")}
+    return {**result, "warned": warned, "lines": lines}
 
 
 def test_full_gradients_are_what_ddp_leaves_in_grad():
     """``trainer.strategy.full_gradients()`` in ``on_before_optimizer_step`` equals DDP's
-    ``p.grad`` there, at every stage; at stage 1 ``p.grad`` itself does not (docs/strategy.md)."""
+    ``p.grad`` there, at every stage; at stage 1 ``p.grad`` itself does not (docs/strategy.md).
+    Reading it there, directly or through Lightning's ``grad_norm``, gives one
+    ``GradientReadWarning`` naming the hook's line and ``full_gradients``; DDP, stages 2/3
+    and the Trainer's gradient clipping are silent."""
     for rank, out in enumerate(run_ranks(_gradients_worker, 2, (), timeout_s=300)):
+        warned, lines = out.pop("warned"), out.pop("lines")
         assert out.pop("own_stage_1")[1] > 1e-4, rank
         for strategy, (same_names, diff) in out.items():
             assert same_names and diff <= TOL, (rank, strategy, diff)
+        assert warned["ddp"] == warned["zeropp_stage_2"] == warned["zeropp_stage_3"] == [], (rank, warned)
+        assert warned["clipping"] == [], (rank, warned)
+        for case, tag in (("zeropp_stage_1", "GRAD READ"), ("grad_norm", "GRAD NORM")):
+            assert len(warned[case]) == 1, (rank, case, warned[case])
+            name, line, message = warned[case][0]
+            assert (name, line) == ("test_parity.py", lines[tag]), (rank, case, warned[case], lines)
+            assert "trainer.strategy.full_gradients()" in message and "only in the rows" in message, message

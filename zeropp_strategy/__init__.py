@@ -26,6 +26,7 @@ _EXPORTS = {
     "CommKind": "zeropp_strategy.comm.ledger",
     "CommLedger": "zeropp_strategy.comm.ledger",
     "CommTotals": "zeropp_strategy.comm.ledger",
+    "GradientReadWarning": "zeropp_strategy.engine.grad_reads",
     "MemoryStats": "zeropp_strategy.engine.memory",
     "OffloadConfig": "zeropp_strategy.config",
     "Phase": "zeropp_strategy.comm.ledger",

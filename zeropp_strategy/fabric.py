@@ -51,6 +51,11 @@ from zeropp_strategy.engine.meta_init import build_context, has_meta
 from zeropp_strategy.engine.precision import PrecisionPolicy
 from zeropp_strategy.session import ZeroSession
 
+# the fix a stage-1 GradientReadWarning names ([Note: stage-1 gradient reads] in engine/grad_reads.py)
+_GRAD_READ_ADVICE = ("fabric.strategy.full_gradients(model) for the whole gradients (a collective: every rank calls "
+                     "it), fabric.clip_gradients(model, optimizer, max_norm=...) to clip by the global norm "
+                     "(docs/fabric.md, 'What p.grad holds')")
+
 
 def _flag_of(precision: Precision) -> str:
     flag = str(getattr(precision, "precision", "32-true"))
@@ -165,7 +170,7 @@ class ZeroPPFabricStrategy(ProcessMixin, ParallelStrategy):
     def setup_module(self, module: Module) -> Module:
         if fsdp_modules(module) or isinstance(module, DistributedDataParallel):
             return module  # already set up
-        module = self.session.prepare(module)
+        module = self.session.prepare(module, grad_read_advice=_GRAD_READ_ADVICE)
         self._modules.append(module)
         return module
 

@@ -60,7 +60,7 @@ CONFIG_ENV = "ZEROPP_CONFIG"
 _PRECISION = {"no": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
 # What a user reading p.grad at stage 1 should call instead ([Note: stage-1 gradient reads]).
 _GRAD_READ_ADVICE = ("accelerator.full_gradients(model) for the whole gradients, accelerator.clip_grad_norm_(...) to "
-                     "clip by the global norm")
+                     "clip by the global norm (docs/accelerate.md, 'Gradients: what p.grad holds')")
 _STATE_DIR = "zeropp_state"
 
 

@@ -12,11 +12,13 @@ the prepared model's parameters a subclass of ``nn.Parameter`` whose ``grad`` pr
 looks at the module that reads it:
 - silent for the machinery that reads only owned rows or clears them: this package, the
   optimizers (``torch.optim``), the loss scaler (``torch.amp``), ``Module.zero_grad``,
-  autograd and DDP internals, and Accelerate's own code;
-- anything else (the user's script, ``torch.nn.utils.clip_grad_norm_``, a logger), once a
-  gradient-sync backward has reduced the gradients and until they are cleared, gets one
-  ``GradientReadWarning`` per process naming its file and line and the fix
-  (``accelerator.full_gradients(model)``, ``accelerator.clip_grad_norm_``).
+  autograd and DDP internals, and Accelerate's and Lightning's own code;
+- anything else (the user's script or hook, ``torch.nn.utils.clip_grad_norm_``, Lightning's
+  ``grad_norm`` utility, a logger), once a gradient-sync backward has reduced the gradients
+  and until they are cleared, gets one ``GradientReadWarning`` per process naming its file
+  and line (the caller's, for a torch function or ``grad_norm``) and the front-end's fix
+  (Accelerate: ``accelerator.full_gradients(model)``; Fabric:
+  ``fabric.strategy.full_gradients(model)``; Lightning: ``trainer.strategy.full_gradients()``).
 Inside ``no_sync``/``accumulate`` before the sync step the gradients are this process's own,
 as under DDP, and nothing is said. ``zero_grad(set_to_none=False)`` zeroes in place without
 clearing the mark: a read in the next accumulation step may warn although it matches DDP.
@@ -40,7 +42,20 @@ __all__ = ["GradientReadWarning", "ReadWatch", "WatchedParameter", "watch_reads"
 _GRAD = torch._C.TensorBase.grad  # the getset descriptor every tensor's ``.grad`` goes through
 # Readers whose reads are right at stage 1 (owned rows only, or clearing): module-name prefixes.
 _SILENT = ("zeropp_strategy.", "torch.optim.", "torch.amp.", "torch.cuda.amp.", "torch.nn.modules.",
-           "torch.nn.parallel.", "torch.autograd.", "torch.distributed.", "torch._", "accelerate.")
+           "torch.nn.parallel.", "torch.autograd.", "torch.distributed.", "torch._", "accelerate.", "lightning.",
+           "pytorch_lightning.")
+# Functions users call to read gradients for them: their reads are the caller's (Lightning's
+# grad_norm, which its docs show in on_before_optimizer_step, would log per-rank norms).
+_USER_TOOLS = ("lightning.pytorch.utilities.grads", "pytorch_lightning.utilities.grads")
+
+
+def _module(frame: FrameType) -> str:
+    return frame.f_globals.get("__name__", "")
+
+
+def _silent(frame: FrameType) -> bool:
+    name = _module(frame)
+    return name not in _USER_TOOLS and (name + ".").startswith(_SILENT)
 
 
 class GradientReadWarning(UserWarning):
@@ -61,20 +76,21 @@ class ReadWatch:
 
     def read(self, frame: FrameType) -> None:
         global _warned
-        if _warned or (frame.f_globals.get("__name__", "") + ".").startswith(_SILENT):
+        if _warned or _silent(frame):
             return
-        user = frame  # the line to name: the first caller outside torch (clip_grad_norm_ reads for its caller)
-        while user.f_back is not None and user.f_globals.get("__name__", "").startswith("torch."):
+        # the line to name: the first caller outside torch and the user tools (clip_grad_norm_
+        # and grad_norm read for their caller)
+        user = frame
+        while user.f_back is not None and (_module(user).startswith("torch.") or _module(user) in _USER_TOOLS):
             user = user.f_back
-        if (user.f_globals.get("__name__", "") + ".").startswith(_SILENT):
-            return  # torch called by Accelerate or by us (Accelerate's clip_grad_value_: elementwise, right)
+        if _silent(user):
+            return  # torch called by a framework or by us (Accelerate's clip_grad_value_: elementwise, right)
         _warned = True
         warnings.warn_explicit(
             "zeropp stage 1: this p.grad, read after a gradient-sync backward, holds the gradient averaged "
             "over the processes only in the rows this process owns (the other rows are its own unreduced "
-            f"share), not the whole averaged gradient DDP holds. Fix: {self.advice} (docs/accelerate.md, "
-            "'Gradients: what p.grad holds'). Shown once per process.",
-            GradientReadWarning, user.f_code.co_filename, user.f_lineno, module=user.f_globals.get("__name__"))
+            f"share), not the whole averaged gradient DDP holds. Fix: {self.advice}. Shown once per process.",
+            GradientReadWarning, user.f_code.co_filename, user.f_lineno, module=_module(user))
 
 
 class WatchedParameter(nn.Parameter):

@@ -67,6 +67,11 @@ from zeropp_strategy.lightning.resume import ResumingLauncher, check_same_choice
 from zeropp_strategy.session import ZeroSession
 from zeropp_strategy.topology import Meshes, Topology
 
+# the fix a stage-1 GradientReadWarning names ([Note: stage-1 gradient reads] in engine/grad_reads.py)
+_GRAD_READ_ADVICE = ("trainer.strategy.full_gradients() for the whole gradients (a collective: every rank calls it), "
+                     "Trainer(gradient_clip_val=...) to clip by the global norm (docs/strategy.md, "
+                     "'GradientReadWarning')")
+
 
 class StrategyMixin(CheckpointMixin, EvaluationMixin, ProcessMixin):
     """Every hook of ``ZeroPPStrategy``, for either Lightning package; its arguments are
@@ -271,7 +276,7 @@ class StrategyMixin(CheckpointMixin, EvaluationMixin, ProcessMixin):
         if self.stage == 1:
             # Meta-device init: materialized on every rank; DDP's construction (or, outside
             # fit, a broadcast) then gives every replica rank 0's values.
-            self.model = self.session.prepare(self.model, train=fitting)
+            self.model = self.session.prepare(self.model, train=fitting, grad_read_advice=_GRAD_READ_ADVICE)
         else:
             # Idempotent: a model set up by validate is returned as it is (and priced when fit follows).
             self._fsdp_root = self.session.prepare(self.model, own_root=True,  # type: ignore[assignment]
