@@ -323,10 +323,12 @@ def cpu_suite(args: argparse.Namespace) -> dict:
                 if only is not None and op.strip() not in only:
                     continue
                 for chunk in chunks:
-                    reference._CHUNK_ELEMS = chunk  # the error feedback's pieces take the same sizes
-                    feedback.FEEDBACK_PIECE_ELEMS = chunk
+                    reference._CHUNK_ELEMS = chunk
+                    if args.chunk_sweep:  # the error feedback's pieces take the same sizes; else its own
+                        feedback.FEEDBACK_PIECE_ELEMS = chunk
                     ms = _time_ms(fn, device)
                     rows.append({"op": op, "what": what, "numel": numel, "chunk_elems": chunk, "bytes": nbytes,
+                                 "feedback_piece_elems": getattr(feedback, "FEEDBACK_PIECE_ELEMS", None),
                                  "ms": ms, "GBps": nbytes / ms / 1e6})  # fmt: skip
                     if args.verbose:
                         print(_cpu_row_md(rows[-1]), flush=True)

@@ -128,6 +128,7 @@ def test_fabric_loop_matches_fabric_ddp(tmp_path):
 def _gradients_worker(rank, world):
     import warnings
 
+    import zeropp_strategy.engine.grad_reads as grad_reads
     from tests._models import Net, dataset
     from zeropp_strategy import GradientReadWarning
     from zeropp_strategy.fabric import _unwrap
@@ -140,6 +141,7 @@ def _gradients_worker(rank, world):
         torch.manual_seed(1234)
         model = fabric.setup_module(Net())
         optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+        grad_reads._warned = False  # once per process: each stage may warn anew
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             fabric.backward(torch.nn.functional.cross_entropy(model(x), y))

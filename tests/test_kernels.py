@@ -39,6 +39,7 @@ from zeropp_strategy.kernels.reference import (
     dequant_reduce_quantize_ref,
     dequantize_ref,
     padded_numel,
+    quantize_into_ref,
     quantize_ref,
     swizzle_quantize_ref,
     unpack_int4,
@@ -318,7 +319,7 @@ def _triton_cases() -> dict[str, Callable[[], None]]:
             x[100] = float("inf")
             want_x = x.clone()
             want = tuple(torch.empty_like(t) for t in quantize_ref(x, 64, bits))
-            kernels.quantize_into(want_x, *want, 64, bits, residual=True)
+            quantize_into_ref(want_x, *want, 64, bits, residual=True)  # the reference, not dispatched
             dev_x = x.to(_DEVICE)
             got = tuple(torch.empty_like(t, device=_DEVICE) for t in want)
             kernels.quantize_into(dev_x, *got, 64, bits, residual=True)

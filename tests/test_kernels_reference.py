@@ -347,7 +347,7 @@ def test_quantize_into_equals_quantize_and_its_residual_the_decoded_difference(m
     x[64:128] = -0.0
     x[128:192] *= 1e-40 / x[128:192].abs().max()  # a subnormal scale
     x[192:256] = -1e-30
-    x[256] = 1.0  # the rest of its block rounds to -0.0 quotients
+    x[256] = -0.0  # an element that is itself -0.0 (its residual may be +0.0: the sign of a zero)
     x[320:384] *= 1e30
     x[400] = float("inf")
     for chunk in (1 << 30, b):

@@ -335,7 +335,15 @@ def _gradients_worker(rank, world):
     # Lightning's grad_norm at stage 1 warns at its caller's line; Lightning's own clipping
     # (through this package's precision plugin) and the optimizer step do not
     warned["grad_norm"] = fit("zeropp_stage_1", [Norms()])
-    warned["clipping"] = fit("zeropp_stage_1", [], gradient_clip_val=1.0)
+    import zeropp_strategy.lightning.precision as precision
+
+    clips, clip = [], precision.clip_grad_norm
+    precision.clip_grad_norm = lambda *a, **k: clips.append(1) or clip(*a, **k)  # the clip this package runs
+    try:
+        warned["clipping"] = fit("zeropp_stage_1", [], gradient_clip_val=1.0)
+    finally:
+        precision.clip_grad_norm = clip
+    result["clipped_by_zeropp"] = (True, float(len(clips)))
     source = Path(__file__).read_text().splitlines()
     lines = {tag: 1 + next(i for i, ln in enumerate(source) if ln.rstrip().endswith(f"# {tag}"))
              for tag in ("GRAD READ", "GRAD NORM")}
@@ -351,6 +359,7 @@ def test_full_gradients_are_what_ddp_leaves_in_grad():
     for rank, out in enumerate(run_ranks(_gradients_worker, 2, (), timeout_s=300)):
         warned, lines = out.pop("warned"), out.pop("lines")
         assert out.pop("own_stage_1")[1] > 1e-4, rank
+        assert out.pop("clipped_by_zeropp")[1] >= 1, rank  # the silent clipping is this package's global norm
         for strategy, (same_names, diff) in out.items():
             assert same_names and diff <= TOL, (rank, strategy, diff)
         assert warned["ddp"] == warned["zeropp_stage_2"] == warned["zeropp_stage_3"] == [], (rank, warned)

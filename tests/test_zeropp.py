@@ -360,36 +360,66 @@ def test_error_feedback_keeps_no_nonfinite_error(stored):
     assert torch.isfinite(scales).all(), scales
 
 
+@pytest.mark.parametrize("bits,bf16", [(4, False), (4, True), (2, False), (8, False)])
 @pytest.mark.parametrize("stored", [32, 8])
-def test_error_feedback_in_pieces_equals_whole_rows(monkeypatch, stored):
+def test_error_feedback_in_pieces_equals_whole_rows(monkeypatch, stored, bits, bf16):
     """On the CPU quantize_rows goes through each row in pieces (FEEDBACK_PIECE_ELEMS, whole
-    blocks of the gradient's and the kept error's sizes); pieces of 128 elements give the
-    same codes, scales, kept error and scratch, bit for bit, as whole rows, over steps with a
-    reset and an inf (NaN positions compared, not NaN bits), 3 rows per call."""
+    blocks of the gradient's and the kept error's block sizes) and takes what the codes drop
+    from kernels.quantize_into; pieces of 256 elements (two, then a short one of 128) give
+    the codes and scales of whole rows bit for bit, and the kept error and scratch in value,
+    and both equal the rule written out with quantize and dequantize (a decoded difference),
+    over steps with a reset and an inf, 3 rows per call (NaN positions compared, not NaN bits)."""
     import zeropp_strategy.comm.feedback as feedback_module
     from zeropp_strategy.comm.feedback import ErrorFeedback
+    from zeropp_strategy.kernels import dequantize, quantize
 
-    B, eb, rows, row_elems = 32, 64, 3, 64 * 10
-    g = torch.Generator().manual_seed(11)
+    B, eb, rows, row_elems, beta, reset = 32, 64, 3, 64 * 10, 0.8, 3
 
-    def run(piece):
-        monkeypatch.setattr(feedback_module, "FEEDBACK_PIECE_ELEMS", piece)
-        ef, out = ErrorFeedback(beta=0.8, reset_steps=3, stored_bits=stored, block_elems=eb), []
-        g.manual_seed(11)
+    def inputs():
+        g = torch.Generator().manual_seed(11)
         for step in range(5):
             x = torch.randn(rows, row_elems, generator=g) * 10.0 ** (step - 2)
             if step == 2:
                 x[1, 77] = float("inf")
-            codes, scales = ef.quantize_rows(rows, row_elems, lambda i: x[i], B, 4, device=torch.device("cpu"))
-            out.append((codes, scales, ef.kept.clone(), x))
+            yield x
+
+    def run(piece):
+        monkeypatch.setattr(feedback_module, "FEEDBACK_PIECE_ELEMS", piece)
+        ef, out = ErrorFeedback(beta=beta, reset_steps=reset, stored_bits=stored, block_elems=eb), []
+        for x in inputs():
+            codes, scales = ef.quantize_rows(rows, row_elems, lambda i: x[i], B, bits, bf16_scales=bf16,
+                                             device=torch.device("cpu"))
+            kept = ef.kept if stored == 32 else dequantize(ef.kept[:x.numel()].view(torch.int8),
+                                                           ef.kept[x.numel():].view(torch.float32), eb, x.numel(), 8)
+            out.append((codes, scales, kept.clone(), x))
+        return out
+
+    def rule():  # [Note: qgZ error feedback], whole rows, the dropped part decoded from the codes
+        error, out = torch.zeros(rows * row_elems), []
+        for t, x in enumerate(inputs()):
+            if t % reset == 0:
+                error.zero_()
+            codes, scales = [], []
+            for i in range(rows):
+                e = error[i * row_elems:(i + 1) * row_elems]
+                c = x[i] + e
+                q = quantize(c, B, bits, bf16_scales=bf16)
+                e.mul_(beta).add_(c - dequantize(*q, B, row_elems, bits), alpha=1 - beta).nan_to_num_(0.0, 0.0, 0.0)
+                if stored == 8:
+                    e.copy_(dequantize(*quantize(e, eb, 8), eb, row_elems, 8))
+                codes.append(q[0])
+                scales.append(q[1])
+            out.append((torch.cat(codes), torch.cat(scales), error.clone()))
         return out
 
     def same(a, b):
         return torch.equal(a.isnan(), b.isnan()) and torch.equal(a[~a.isnan()], b[~b.isnan()])
 
-    for (c1, s1, k1, x1), (c2, s2, k2, x2) in zip(run(128), run(1 << 30), strict=True):
-        assert torch.equal(c1, c2) and same(s1, s2) and same(x1, x2)
-        assert torch.equal(k1, k2) if stored == 8 else same(k1, k2)
+    for t, ((c1, s1, k1, x1), (c2, s2, k2, x2), (c3, s3, k3)) in enumerate(zip(run(256), run(1 << 30), rule(),
+                                                                                strict=True)):
+        assert torch.equal(c1, c2) and same(s1, s2) and same(x1, x2) and same(k1, k2), t
+        assert torch.equal(c2, c3) and same(s2, s3), t
+        torch.testing.assert_close(k2, k3, rtol=0, atol=1e-6 * float(k3.abs().max()) + 1e-30, msg=str(t))
 
 
 def _with_feedbacks(errors, reductions):

@@ -19,10 +19,12 @@ INTRA_FEEDBACK = "qgZ intra-node error feedback"  # the name of step 1's kept er
 # (comm/zeropp.py takes them so; cost.py counts the scratch).
 FEEDBACK_ROW_ELEMS = 1 << 24
 # On the CPU a row goes through in pieces of about this many elements, each in cache for all
-# of its passes (as the kernels' reference works: [Note: fast CPU reference]). Chosen with
-# `python benchmarks/kernels.py --cpu-suite --chunk-sweep --ops ErrorFeedback.quantize_rows`
-# (docs/zeropp_measurements.md, "On CPU: the torch reference's speed").
-FEEDBACK_PIECE_ELEMS = 1 << 18
+# of its passes (as the kernels' reference works: [Note: fast CPU reference]): the
+# reference's chunk size. Against the code before it, 2^20 took 0.51-0.75x its time per call
+# at 4M-8M elements and 2^18 0.58-0.87x (docs/zeropp_measurements.md, "Error feedback in
+# pieces"); `python benchmarks/kernels.py --cpu-suite --chunk-sweep --ops
+# ErrorFeedback.quantize_rows` times the pieces again.
+FEEDBACK_PIECE_ELEMS = 1 << 20
 
 
 class ErrorFeedback:
@@ -81,9 +83,9 @@ class ErrorFeedback:
 
         On the CPU a row goes through in pieces of about ``FEEDBACK_PIECE_ELEMS`` elements
         (whole blocks of both block sizes), each in cache for all of its passes, and no
-        temporary is as large as a row; the blocks are the same, so is every code and scale.
-        ``kernels.quantize_into`` writes the codes where they go and leaves what they drop in
-        the row, without decoding them (on the CPU)."""
+        temporary is as large as a row; the blocks are those of whole rows, and so are the
+        codes and scales (a NaN scale's payload bits aside). ``kernels.quantize_into`` writes
+        the codes where they go and leaves what they drop in the row."""
         B, n = block_elems, rows * row_elems
         eb = self.block_elems
         assert row_elems % B == 0 and row_elems % eb == 0, (row_elems, B, eb)

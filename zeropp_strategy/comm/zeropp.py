@@ -351,12 +351,16 @@ class HierarchicalQuantReduceScatter(EmptyAlloc, ReduceScatter):
             W = M * L
             k = max(d for d in range(1, W + 1)
                     if W % d == 0 and (d == 1 or d * s_pad <= kept_errors.FEEDBACK_ROW_ELEMS))
-            chunks = input_tensor.reshape(W, s)
+            chunks, index = input_tensor.reshape(W, s), torch.tensor(order, device=input_tensor.device)
             scratch = input_tensor.new_zeros((k, s_pad), dtype=torch.float32)
+            on_cpu = scratch.device.type == "cpu"
 
             def rows(i: int) -> torch.Tensor:
-                for j, src in enumerate(order[i * k:(i + 1) * k]):  # each chunk copied once, no gathered temporary
-                    scratch[j, :s].copy_(chunks[src])
+                if on_cpu:  # each chunk copied once, no gathered temporary
+                    for j, src in enumerate(order[i * k:(i + 1) * k]):
+                        scratch[j, :s].copy_(chunks[src])
+                else:  # one gather: one launch, not k
+                    scratch[:, :s].copy_(chunks[index[i * k:(i + 1) * k]])
                 scratch[:, s:] = 0.0
                 return scratch.view(-1)
 

@@ -43,7 +43,7 @@ _GRAD = torch._C.TensorBase.grad  # the getset descriptor every tensor's ``.grad
 # Readers whose reads are right at stage 1 (owned rows only, or clearing): module-name prefixes.
 _SILENT = ("zeropp_strategy.", "torch.optim.", "torch.amp.", "torch.cuda.amp.", "torch.nn.modules.",
            "torch.nn.parallel.", "torch.autograd.", "torch.distributed.", "torch._", "accelerate.", "lightning.",
-           "pytorch_lightning.")
+           "pytorch_lightning.", "lightning_fabric.")
 # Functions users call to read gradients for them: their reads are the caller's (Lightning's
 # grad_norm, which its docs show in on_before_optimizer_step, would log per-rank norms).
 _USER_TOOLS = ("lightning.pytorch.utilities.grads", "pytorch_lightning.utilities.grads")

@@ -23,6 +23,7 @@ transient buffer of the gathered size, whose rows are then copied into ``out``. 
 it equals ``dequantize`` of each row on either back end.
 Both back ends produce the same bytes (codes, scales and dequantized values; checked by
 tests/test_kernels.py), so which one a rank used never changes what its peers receive.
+(``quantize_into``'s residual, which stays on the rank, may differ in the sign of a zero.)
 triton is imported on first Triton dispatch only, so this package imports without it.
 
 Arguments are checked the same way on both paths, before any kernel runs: ``bits`` is 8, 4
@@ -141,10 +142,11 @@ def quantize_into(
 ) -> None:
     """``quantize`` written into ``codes`` and ``scales`` (contiguous, of quantize's sizes),
     and with ``residual`` x (fp32, contiguous, whole blocks) overwritten with what the codes
-    drop, ``x - dequantize(codes, scales)``: error feedback's two steps in one call. On the
-    CPU the residual comes from the rounded quotients, not from decoding the codes (the same
-    values, but for the sign of a zero: reference.quantize_into_ref); Triton quantizes, then
-    decodes and subtracts."""
+    drop, ``x - dequantize(codes, scales)``: error feedback's two steps in one call. The
+    torch back end (CPU, or CUDA without triton) takes the residual from the rounded
+    quotients instead of decoding the codes: the same values, but for the sign of a zero
+    (reference.quantize_into_ref), the one place where the back ends' bytes may differ;
+    Triton quantizes, then decodes and subtracts."""
     check_quant_args(block_elems, bits)
     check_input(x)
     check_into(x, codes, scales, block_elems, bits, residual)

@@ -278,8 +278,9 @@ def quantize_into_ref(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
     ``residual``: x (fp32, contiguous, whole blocks) is then overwritten with what the codes
     drop, ``x - dequantize_ref(codes, scales)``: each rounded quotient (at 2 bits its level)
     times its scale, the product dequantize_ref forms, without decoding the codes. The same
-    values as that difference, bit for bit but for the sign of a zero (a quotient that rounds
-    to -0.0 leaves -0.0 - -0.0 = +0.0 where decoding, whose codes have no -0, leaves -0.0)."""
+    values as that difference, bit for bit but for the sign of a zero: an element that is
+    itself -0.0 with a quotient of -0.0 leaves -0.0 - -0.0 = +0.0, where decoding (codes
+    have no -0) leaves -0.0 - +0.0 = -0.0."""
     n, b = x.numel(), block_elems
     sc = _scratch(num_blocks(n, b), b, bits, x.device, bf16_scales)
     if not residual:
