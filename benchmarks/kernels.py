@@ -324,7 +324,7 @@ def cpu_suite(args: argparse.Namespace) -> dict:
                     continue
                 for chunk in chunks:
                     reference._CHUNK_ELEMS = chunk
-                    if args.chunk_sweep:  # the error feedback's pieces take the same sizes; else its own
+                    if args.chunk_sweep and saved_piece is not None:  # the feedback's pieces: the same sizes
                         feedback.FEEDBACK_PIECE_ELEMS = chunk
                     ms = _time_ms(fn, device)
                     rows.append({"op": op, "what": what, "numel": numel, "chunk_elems": chunk, "bytes": nbytes,
@@ -333,7 +333,9 @@ def cpu_suite(args: argparse.Namespace) -> dict:
                     if args.verbose:
                         print(_cpu_row_md(rows[-1]), flush=True)
     finally:
-        reference._CHUNK_ELEMS, feedback.FEEDBACK_PIECE_ELEMS = saved, saved_piece
+        reference._CHUNK_ELEMS = saved
+        if saved_piece is not None:
+            feedback.FEEDBACK_PIECE_ELEMS = saved_piece
     return {"device": _hardware(device), "torch": torch.__version__, "rows": rows}
 
 
@@ -453,7 +455,9 @@ def main() -> None:
     ap.add_argument("--block-sweep", action="store_true", help="quantization error vs block size instead of GB/s")
     ap.add_argument("--tile-sweep", action="store_true", help="Triton GB/s per tile size and warp count (CUDA)")
     ap.add_argument("--cpu-suite", action="store_true", help="the torch reference at training sizes (CPU)")
-    ap.add_argument("--chunk-sweep", action="store_true", help="--cpu-suite once per reference._CHUNK_ELEMS value")
+    ap.add_argument("--chunk-sweep", action="store_true",
+                    help="--cpu-suite once per value of reference._CHUNK_ELEMS and, set to the same value, "
+                         "comm/feedback.py's FEEDBACK_PIECE_ELEMS")
     ap.add_argument("--threads", type=int, default=1, help="--cpu-suite: torch threads (training ranks use 1)")
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
     ap.add_argument("-v", "--verbose", action="store_true", help="print each row as it is measured")

@@ -23,7 +23,7 @@ FEEDBACK_ROW_ELEMS = 1 << 24
 # reference's chunk size. Against the code before it, 2^20 took 0.51-0.75x its time per call
 # at 4M-8M elements and 2^18 0.58-0.87x (docs/zeropp_measurements.md, "Error feedback in
 # pieces"); `python benchmarks/kernels.py --cpu-suite --chunk-sweep --ops
-# ErrorFeedback.quantize_rows` times the pieces again.
+# ErrorFeedback.quantize_rows` times other piece sizes (the reference's chunk set to each too).
 FEEDBACK_PIECE_ELEMS = 1 << 20
 
 

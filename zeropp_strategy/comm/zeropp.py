@@ -351,9 +351,10 @@ class HierarchicalQuantReduceScatter(EmptyAlloc, ReduceScatter):
             W = M * L
             k = max(d for d in range(1, W + 1)
                     if W % d == 0 and (d == 1 or d * s_pad <= kept_errors.FEEDBACK_ROW_ELEMS))
-            chunks, index = input_tensor.reshape(W, s), torch.tensor(order, device=input_tensor.device)
+            chunks = input_tensor.reshape(W, s)
             scratch = input_tensor.new_zeros((k, s_pad), dtype=torch.float32)
             on_cpu = scratch.device.type == "cpu"
+            index = None if on_cpu else torch.tensor(order, device=input_tensor.device)
 
             def rows(i: int) -> torch.Tensor:
                 if on_cpu:  # each chunk copied once, no gathered temporary
