@@ -227,8 +227,10 @@ def _code_slice(codes: torch.Tensor, r0: int, r1: int, block_elems: int, bits: i
 
 
 def _quantize_flat_into(flat: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block_elems: int, bits: int,
-                        sc: _Scratch) -> None:  # fmt: skip
-    """flat (n,) float -> codes (padded n * bits // 8) and scales (num_blocks,), in place."""
+                        sc: _Scratch, residual: bool = False) -> None:  # fmt: skip
+    """flat (n,) float -> codes (padded n * bits // 8) and scales (num_blocks,), in place.
+    ``residual`` (flat fp32, whole blocks): flat then holds what the codes drop
+    (``quantize_into_ref``), each chunk's while its rounded quotients are still in ``sc``."""
     n, b = flat.numel(), block_elems
     full = n // b
     step = _chunk_rows(b)
@@ -236,6 +238,12 @@ def _quantize_flat_into(flat: torch.Tensor, codes: torch.Tensor, scales: torch.T
     for r0 in range(0, full, step):
         r1 = min(full, r0 + step)
         _quantize_rows(blocks[r0:r1], _code_slice(codes, r0, r1, b, bits), scales[r0:r1], bits, sc)
+        if residual:
+            y = sc.f32(r1 - r0, b)  # the rounded quotients the codes hold (2 bits: f of the level 2f + 1)
+            if bits == 2:
+                y.mul_(2).add_(1)
+            blocks[r0:r1].sub_(y.mul_(scales[r0:r1, None]))
+    assert not (residual and full * b < n), "residual needs whole blocks (kernels.checks.check_into)"
     if full * b < n:  # the last block, zero-padded
         tail = sc.f32(1, b)
         tail[0, n - full * b :] = 0.0
@@ -265,10 +273,8 @@ def quantize_ref(
     """
     if bits not in QMAX:
         raise ValueError(f"bits={bits} is not supported. Fix: use 8, 4 or 2.")
-    flat = x.reshape(-1)
-    codes, scales = _empty_quantized(flat.numel(), block_elems, bits, 1, flat.device)
-    sc = _scratch(num_blocks(flat.numel(), block_elems), block_elems, bits, flat.device, bf16_scales)
-    _quantize_flat_into(flat, codes, scales, block_elems, bits, sc)
+    codes, scales = _empty_quantized(x.numel(), block_elems, bits, 1, x.device)
+    quantize_into_ref(x, codes, scales, block_elems, bits, bf16_scales=bf16_scales)
     return codes, scales
 
 
@@ -281,20 +287,8 @@ def quantize_into_ref(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
     values as that difference, bit for bit but for the sign of a zero: an element that is
     itself -0.0 with a quotient of -0.0 leaves -0.0 - -0.0 = +0.0, where decoding (codes
     have no -0) leaves -0.0 - +0.0 = -0.0."""
-    n, b = x.numel(), block_elems
-    sc = _scratch(num_blocks(n, b), b, bits, x.device, bf16_scales)
-    if not residual:
-        _quantize_flat_into(x.reshape(-1), codes, scales, b, bits, sc)
-        return
-    full, step = n // b, _chunk_rows(b)
-    blocks = x.view(full, b)
-    for r0 in range(0, full, step):
-        r1 = min(full, r0 + step)
-        _quantize_rows(blocks[r0:r1], _code_slice(codes, r0, r1, b, bits), scales[r0:r1], bits, sc)
-        y = sc.f32(r1 - r0, b)  # the rounded quotients the codes hold (2 bits: f of the level 2f + 1)
-        if bits == 2:
-            y.mul_(2).add_(1)
-        blocks[r0:r1].sub_(y.mul_(scales[r0:r1, None]))
+    sc = _scratch(num_blocks(x.numel(), block_elems), block_elems, bits, x.device, bf16_scales)
+    _quantize_flat_into(x.view(-1) if residual else x.reshape(-1), codes, scales, block_elems, bits, sc, residual)
 
 
 def _dequantize_into(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, block_elems: int, bits: int,
