@@ -336,6 +336,9 @@ def cpu_suite(args: argparse.Namespace) -> dict:
         reference._CHUNK_ELEMS = saved
         if saved_piece is not None:
             feedback.FEEDBACK_PIECE_ELEMS = saved_piece
+    if not rows:  # an --ops that names no case: no table, not an empty one
+        names = sorted({op.strip() for op, *_ in _cpu_cases(1024, wb, gb)})
+        raise SystemExit(f"--ops {args.ops!r} names no --cpu-suite case. Fix: use one or more of {', '.join(names)}.")
     return {"device": _hardware(device), "torch": torch.__version__, "rows": rows}
 
 
