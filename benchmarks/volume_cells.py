@@ -43,13 +43,17 @@ PARTS = {
     # presets at 50 Mbit/s, in the same rounds
     "delta_base": ("unlimited", ["small"], ["ddp", "fsdp2", "zeropp_stage_3", "zeropp", "zeropp_delta",
                                             "zeropp~50mbit", "zeropp_delta~50mbit"]),
+    # the same without our stage 3 at bench_train's --size medium (8 x 512, 25.5M parameters, not GPT-2
+    # medium): about 7.7x the parameters of small, so 7.7x its bytes and its compute per token
+    "delta_base_medium": ("unlimited", ["medium"], ["ddp", "fsdp2", "zeropp", "zeropp_delta", "zeropp~50mbit",
+                                                    "zeropp_delta~50mbit"]),
 }
 PART_FILES = {"stage1": "volume_stage1_async.json", "sizes": "volume_sizes_1gbit.json",
               "4bit_50mbit": "volume_4bit_50mbit.json", "4bit_unlimited": "volume_4bit_unlimited.json",
               "delta_50mbit": "volume_delta_50mbit.json", "delta_unlimited": "volume_delta_unlimited.json",
               "delta_200mbit": "volume_delta_200mbit.json", "grad_int8": "volume_grad_int8.json",
               "loco": "volume_loco.json", "loco_pieces": "volume_loco_pieces.json",
-              "delta_base": "volume_delta_base.json"}
+              "delta_base": "volume_delta_base.json", "delta_base_medium": "volume_delta_base_medium.json"}
 SUITE_FILES = {"fp32": "volume_bf16_fp32mm.json", "native": "volume_bf16.json"}  # by --bf16-matmul
 ARCHIVED_SUITES = ["volume_bf16_fp32mm_2026-11-25.json"]
 """Earlier runs of the suite kept on the page below the newest, newest first; each JSON's
