@@ -233,6 +233,7 @@ def _quantize_flat_into(flat: torch.Tensor, codes: torch.Tensor, scales: torch.T
     (``quantize_into_ref``), each chunk's while its rounded quotients are still in ``sc``."""
     n, b = flat.numel(), block_elems
     full = n // b
+    assert not (residual and full * b < n), "residual needs whole blocks (kernels.checks.check_into)"
     step = _chunk_rows(b)
     blocks = flat[: full * b].view(full, b)
     for r0 in range(0, full, step):
@@ -243,7 +244,6 @@ def _quantize_flat_into(flat: torch.Tensor, codes: torch.Tensor, scales: torch.T
             if bits == 2:
                 y.mul_(2).add_(1)
             blocks[r0:r1].sub_(y.mul_(scales[r0:r1, None]))
-    assert not (residual and full * b < n), "residual needs whole blocks (kernels.checks.check_into)"
     if full * b < n:  # the last block, zero-padded
         tail = sc.f32(1, b)
         tail[0, n - full * b :] = 0.0
