@@ -143,10 +143,24 @@ def _triton_module(device: torch.device):
     return triton_quant
 
 
+def _chosen_ops(ops: str | None, names: list[str], mode: str) -> list[str] | None:
+    """``--ops`` as a list, each checked against this mode's op names before anything is
+    measured (an unknown name would otherwise be timed as another op, or as none); None when
+    it is not given."""
+    if not ops:
+        return None
+    chosen = [o.strip() for o in ops.split(",")]
+    unknown = [o for o in chosen if o not in names]
+    if unknown:
+        raise SystemExit(f"--ops {ops!r}: {', '.join(unknown)} is no {mode} op. Fix: use one or more of "
+                         f"{', '.join(names)}.")
+    return chosen
+
+
 def throughput(args: argparse.Namespace) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype)
-    ops = args.ops.split(",") if args.ops else list(OPS if device.type == "cuda" else OPS[:2])
+    ops = _chosen_ops(args.ops, list(OPS), "kernel") or list(OPS if device.type == "cuda" else OPS[:2])
     rows = []
     for numel in [_parse_size(s) for s in (args.sizes or THROUGHPUT_SIZES).split(",")]:
         for block_elems in [int(b) for b in args.blocks.split(",")]:
@@ -204,13 +218,14 @@ def tile_sweep(args: argparse.Namespace) -> dict:
         sys.exit(f"--tile-sweep pairs --blocks with --bits one to one; got {len(blocks)} block sizes and "
                  f"{len(bits_list)} widths. Fix: e.g. --blocks 256,64 --bits 8,4 (qwZ int8, qgZ int4)")
     pairs = list(zip(blocks, bits_list))
+    ops = _chosen_ops(args.ops, list(OPS), "kernel") or OPS
     saved = tq._TILE_ELEMS, tq._NUM_WARPS
     try:
         for tile in (1024, 2048, 4096, 8192, 16384):
             for warps in (4, 8, 16):
                 tq._TILE_ELEMS, tq._NUM_WARPS = tile, warps
                 for block_elems, bits in pairs:
-                    for op in args.ops.split(",") if args.ops else OPS:
+                    for op in ops:
                         nbytes, fns, _ = _op_setup(op, numel, block_elems, bits, getattr(torch, args.dtype), device)
                         ms = _time_ms(fns["triton"], device)
                         rows.append({"tile": tile, "warps": warps, "block_elems": block_elems, "bits": bits,
@@ -316,7 +331,7 @@ def cpu_suite(args: argparse.Namespace) -> dict:
     chunks = CPU_CHUNK_SWEEP if args.chunk_sweep else (reference._CHUNK_ELEMS,)
     # getattr: a package from before the feedback's pieces (PYTHONPATH=BEFORE) runs too
     saved, saved_piece, rows = reference._CHUNK_ELEMS, getattr(feedback, "FEEDBACK_PIECE_ELEMS", None), []
-    only = set(args.ops.split(",")) if args.ops else None
+    only = _chosen_ops(args.ops, sorted({op.strip() for op, *_ in _cpu_cases(1024, wb, gb)}), "--cpu-suite")
     try:
         for numel in [_parse_size(s) for s in (args.sizes or CPU_SIZES).split(",")]:
             for op, what, nbytes, fn in _cpu_cases(numel, wb, gb):
@@ -336,9 +351,6 @@ def cpu_suite(args: argparse.Namespace) -> dict:
         reference._CHUNK_ELEMS = saved
         if saved_piece is not None:
             feedback.FEEDBACK_PIECE_ELEMS = saved_piece
-    if not rows:  # an --ops that names no case: no table, not an empty one
-        names = sorted({op.strip() for op, *_ in _cpu_cases(1024, wb, gb)})
-        raise SystemExit(f"--ops {args.ops!r} names no --cpu-suite case. Fix: use one or more of {', '.join(names)}.")
     return {"device": _hardware(device), "torch": torch.__version__, "rows": rows}
 
 
