@@ -16,7 +16,8 @@ parameters) and ``medium`` (8 x 512, 25.5M). Both parts run their cells in round
 cell once, ``--repeat`` times) so that a busy spell of a shared machine falls on every
 cell alike, and record the load average at the start of each run. A part's system written
 ``name~RATE`` runs at RATE instead of the part's rate, in the same rounds (``--part
-delta_200mbit``: DDP with no link limit beside three systems at 200 Mbit/s). The other parts
+delta_200mbit``: DDP with no link limit beside three systems at 200 Mbit/s), and ``name*B``
+with a micro-batch of B sequences per rank instead of ``--batch``. The other parts
 (``4bit_*``, ``delta_*``, ``grad_int8``, ``loco``: issue 35's levels beside ``zeropp``) are listed with
 their results files in benchmarks/volume_cells.py; docs/zeropp_measurements.md holds their tables.
 
@@ -155,8 +156,9 @@ def _run_round(args: argparse.Namespace, cluster: object, cells: dict, cell_rate
         if key in skipped or not key.startswith(f"{cell_rate}/"):
             continue
         name, _, variant = system.partition("@")
+        name, _, batch = name.partition("*")
         name, _, buckets = name.partition("#")
-        cell_args = argparse.Namespace(**{**vars(args), "size": size,
+        cell_args = argparse.Namespace(**{**vars(args), "size": size, "batch": int(batch) if batch else args.batch,
                                           "overlap_buckets": int(buckets) if buckets else None})
         if variant == "before":
             cell_args.package_root = args.before_root

@@ -47,13 +47,21 @@ PARTS = {
     # medium): about 7.7x the parameters of small, so 7.7x its bytes and its compute per token
     "delta_base_medium": ("unlimited", ["medium"], ["ddp", "fsdp2", "zeropp", "zeropp_delta", "zeropp~50mbit",
                                                     "zeropp_delta~50mbit"]),
+    # more or fewer tokens per step (2026-11-29): "name*B" runs with a micro-batch of B sequences of 128 per
+    # rank (the parts above: 4). Compute per step scales with B, the bytes do not, so B moves where the two
+    # 50 Mbit/s targets (at most 1.2x its own unlimited step, at most 0.6x zeropp's) can both hold
+    "delta_tokens": ("50mbit", ["small"], [f"{system}*{batch}{rate}" for batch in (1, 2, 4, 16)
+                                           for system, rate in (("zeropp", ""), ("zeropp_delta", ""),
+                                                                ("zeropp", "~unlimited"),
+                                                                ("zeropp_delta", "~unlimited"))]),
 }
 PART_FILES = {"stage1": "volume_stage1_async.json", "sizes": "volume_sizes_1gbit.json",
               "4bit_50mbit": "volume_4bit_50mbit.json", "4bit_unlimited": "volume_4bit_unlimited.json",
               "delta_50mbit": "volume_delta_50mbit.json", "delta_unlimited": "volume_delta_unlimited.json",
               "delta_200mbit": "volume_delta_200mbit.json", "grad_int8": "volume_grad_int8.json",
               "loco": "volume_loco.json", "loco_pieces": "volume_loco_pieces.json",
-              "delta_base": "volume_delta_base.json", "delta_base_medium": "volume_delta_base_medium.json"}
+              "delta_base": "volume_delta_base.json", "delta_base_medium": "volume_delta_base_medium.json",
+              "delta_tokens": "volume_delta_tokens.json"}
 SUITE_FILES = {"fp32": "volume_bf16_fp32mm.json", "native": "volume_bf16.json"}  # by --bf16-matmul
 ARCHIVED_SUITES = ["volume_bf16_fp32mm_2026-11-25.json"]
 """Earlier runs of the suite kept on the page below the newest, newest first; each JSON's

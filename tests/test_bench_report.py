@@ -263,3 +263,26 @@ def test_volume_page_renders_the_delta_parts_side_by_side(tmp_path):
     assert "| ddp | - | 0.400 (0.400-0.440, 2 runs) | - | 40.00 (unlimited) |" in text
     assert "| zeropp_delta | 0.550 (0.550-0.605, 2 runs) | - | 1.10x | 1.38x | 2.70 | 3.5000 |" in text
     assert "| deepspeed_zero3 | not installed |" in text
+
+
+def test_volume_cell_names_carry_batch_buckets_and_package(tmp_path, monkeypatch):
+    """A part's cell "name#N*B@before" runs name with N gather buckets, a micro-batch of B
+    and the --before-root package; the rest of the run's arguments are the invocation's."""
+    import argparse
+
+    from benchmarks import volume
+
+    seen = {}
+
+    def fake_cell(cluster, name, args):
+        seen[(name, args.batch, args.overlap_buckets, args.package_root)] = True
+        return {"step_s": 0.5, "veth_bytes_per_step": 1.0, "loss": 3.0}
+
+    monkeypatch.setattr(volume, "run_cell", fake_cell)
+    args = argparse.Namespace(batch=4, package_root=None, before_root=tmp_path / "before", repeat=1)
+    cells = {f"50mbit/small/{s}": ("small", s) for s in ("zeropp*16", "zeropp_delta", "zeropp_stage_1#4*2@before")}
+    runs = {key: [] for key in cells}
+    volume._run_round(args, None, cells, "50mbit", 0, runs, {}, {}, tmp_path / "out.json")
+    assert set(seen) == {("zeropp", 16, None, None), ("zeropp_delta", 4, None, None),
+                         ("zeropp_stage_1", 2, 4, tmp_path / "before")}
+    assert all(len(r) == 1 for r in runs.values())
