@@ -16,8 +16,11 @@ parameters) and ``medium`` (8 x 512, 25.5M). Both parts run their cells in round
 cell once, ``--repeat`` times) so that a busy spell of a shared machine falls on every
 cell alike, and record the load average at the start of each run. A part's system written
 ``name~RATE`` runs at RATE instead of the part's rate, in the same rounds (``--part
-delta_200mbit``: DDP with no link limit beside three systems at 200 Mbit/s), and ``name*B``
-with a micro-batch of B sequences per rank instead of ``--batch``. The other parts
+delta_200mbit``: DDP with no link limit beside three systems at 200 Mbit/s), ``name*B`` with a
+micro-batch of B sequences per rank instead of ``--batch`` (the JSON's ``meta["batch"]`` is
+``--batch``), ``name#N`` with stage 1's post-step gather in about N buckets and
+``name@before`` from the ``--before-root`` package; written together, in the order
+``name#N*B@before~RATE`` (``volume_cells.parse_cell``). The other parts
 (``4bit_*``, ``delta_*``, ``grad_int8``, ``loco``: issue 35's levels beside ``zeropp``) are listed with
 their results files in benchmarks/volume_cells.py; docs/zeropp_measurements.md holds their tables.
 
@@ -59,6 +62,7 @@ from benchmarks.volume_cells import (  # noqa: E402
     MB,
     PART_FILES,
     PARTS,
+    parse_cell,
     SUITE_FILES,
     formula_bytes,
 )
@@ -121,8 +125,9 @@ def run_part(args: argparse.Namespace) -> dict:
 
     rate, sizes, systems = PARTS[args.part]
     has_ds = importlib.util.find_spec("deepspeed") is not None
-    # "system~RATE" runs that system at RATE instead of the part's (its cells in a cluster of their own)
-    cells = {f"{system.partition('~')[2] or rate}/{size}/{system.partition('~')[0]}": (size, system.partition("~")[0])
+    # "system~RATE" runs that system at RATE instead of the part's (its cells in a cluster of their own);
+    # every name is parsed before the first cell runs
+    cells = {f"{parse_cell(system).rate or rate}/{size}/{system.partition('~')[0]}": (size, system.partition("~")[0])
              for size in sizes for system in systems}
     runs: dict[str, list[dict]] = {key: [] for key in cells}
     out = args.out.parent / PART_FILES[args.part]
@@ -155,15 +160,13 @@ def _run_round(args: argparse.Namespace, cluster: object, cells: dict, cell_rate
     for key, (size, system) in cells.items():
         if key in skipped or not key.startswith(f"{cell_rate}/"):
             continue
-        name, _, variant = system.partition("@")
-        name, _, batch = name.partition("*")
-        name, _, buckets = name.partition("#")
-        cell_args = argparse.Namespace(**{**vars(args), "size": size, "batch": int(batch) if batch else args.batch,
-                                          "overlap_buckets": int(buckets) if buckets else None})
-        if variant == "before":
+        parsed = parse_cell(system)
+        cell_args = argparse.Namespace(**{**vars(args), "size": size, "batch": parsed.batch or args.batch,
+                                          "overlap_buckets": parsed.buckets})
+        if parsed.before:
             cell_args.package_root = args.before_root
         load = os.getloadavg()[0]
-        cell = run_cell(cluster, name, cell_args)
+        cell = run_cell(cluster, parsed.name, cell_args)
         cell["load_avg_1min_at_start"] = load
         runs[key].append(_run_record(cell))
         print(f"round {round_ + 1}/{args.repeat} {key}: " + (f"{cell['step_s']:.3f} s/step (load {load:.1f})"

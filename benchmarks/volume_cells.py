@@ -5,6 +5,9 @@ Imported by benchmarks/volume.py and benchmarks/volume_page.py.
 
 from __future__ import annotations
 
+import re
+from typing import NamedTuple
+
 CELLS = {
     "200mbit": ["ddp", "zeropp_stage_1", "zeropp_stage_2", "zeropp_stage_3", "zeropp_stage_3_bf16", "zeropp",
                 "deepspeed_zero3"],
@@ -66,6 +69,31 @@ SUITE_FILES = {"fp32": "volume_bf16_fp32mm.json", "native": "volume_bf16.json"} 
 ARCHIVED_SUITES = ["volume_bf16_fp32mm_2026-11-25.json"]
 """Earlier runs of the suite kept on the page below the newest, newest first; each JSON's
 ``meta["title_note"]`` says what it predates."""
+
+
+class CellName(NamedTuple):
+    """One system of a part, parsed: ``name#N*B@before~RATE``, each suffix optional, in that order."""
+
+    name: str
+    buckets: int | None  # "#N": stage 1's post-step gather in about N buckets
+    batch: int | None  # "*B": a micro-batch of B sequences per rank instead of --batch
+    before: bool  # "@before": the --before-root package
+    rate: str | None  # "~RATE": at RATE instead of the part's rate, in the same rounds
+
+
+_CELL_NAME = re.compile(r"(?P<name>[a-z0-9_]+)(?:#(?P<buckets>\d+))?(?:\*(?P<batch>\d+))?(?P<before>@before)?"
+                        r"(?:~(?P<rate>[a-z0-9]+))?")
+
+
+def parse_cell(system: str) -> CellName:
+    """``system`` as a part lists it; a ValueError naming the expected form when it does not parse
+    (a suffix out of order would otherwise run another cell than the one named)."""
+    m = _CELL_NAME.fullmatch(system)
+    if m is None:
+        raise ValueError(f"part cell {system!r} does not parse. Fix: write name#N*B@before~RATE, every suffix "
+                         "optional but in that order (e.g. zeropp_delta*16~unlimited)")
+    return CellName(m["name"], int(m["buckets"]) if m["buckets"] else None, int(m["batch"]) if m["batch"] else None,
+                    bool(m["before"]), m["rate"])
 
 
 def formula_bytes(system: str, params: int, world: int = 4, nodes: int = 2) -> float | None:

@@ -286,3 +286,18 @@ def test_volume_cell_names_carry_batch_buckets_and_package(tmp_path, monkeypatch
     assert set(seen) == {("zeropp", 16, None, None), ("zeropp_delta", 4, None, None),
                          ("zeropp_stage_1", 2, 4, tmp_path / "before")}
     assert all(len(r) == 1 for r in runs.values())
+
+
+def test_every_part_cell_parses_and_a_suffix_out_of_order_is_refused():
+    import pytest
+
+    from benchmarks.volume_cells import PARTS, CellName, parse_cell
+
+    for _, _, systems in PARTS.values():
+        for system in systems:
+            parse_cell(system)
+    assert parse_cell("zeropp_stage_1#4*2@before~50mbit") == CellName("zeropp_stage_1", 4, 2, True, "50mbit")
+    assert parse_cell("zeropp_delta*16~unlimited") == CellName("zeropp_delta", None, 16, False, "unlimited")
+    for wrong in ("zeropp@before*4", "zeropp*4#2", "zeropp~unlimited*4", "zeropp*"):
+        with pytest.raises(ValueError, match="name#N\\*B@before~RATE"):
+            parse_cell(wrong)
