@@ -57,6 +57,11 @@ PARTS = {
                                            for system, rate in (("zeropp", ""), ("zeropp_delta", ""),
                                                                 ("zeropp", "~unlimited"),
                                                                 ("zeropp_delta", "~unlimited"))]),
+    # the comm thread's jobs pipelined (2026-11-29, tried and reverted): this checkout's package against the one in
+    # --before-root, at 50 Mbit/s and with no limit. Measured with the pipelining commit's package as this one and
+    # its parent's in --before-root (docs/zeropp_measurements.md, "The comm thread's jobs pipelined")
+    "comm_pipeline": ("50mbit", ["small"], [f"{system}{variant}{rate}" for rate in ("", "~unlimited")
+                                            for system in ("zeropp", "zeropp_delta") for variant in ("", "@before")]),
 }
 PART_FILES = {"stage1": "volume_stage1_async.json", "sizes": "volume_sizes_1gbit.json",
               "4bit_50mbit": "volume_4bit_50mbit.json", "4bit_unlimited": "volume_4bit_unlimited.json",
@@ -64,7 +69,7 @@ PART_FILES = {"stage1": "volume_stage1_async.json", "sizes": "volume_sizes_1gbit
               "delta_200mbit": "volume_delta_200mbit.json", "grad_int8": "volume_grad_int8.json",
               "loco": "volume_loco.json", "loco_pieces": "volume_loco_pieces.json",
               "delta_base": "volume_delta_base.json", "delta_base_medium": "volume_delta_base_medium.json",
-              "delta_tokens": "volume_delta_tokens.json"}
+              "delta_tokens": "volume_delta_tokens.json", "comm_pipeline": "volume_comm_pipeline.json"}
 SUITE_FILES = {"fp32": "volume_bf16_fp32mm.json", "native": "volume_bf16.json"}  # by --bf16-matmul
 ARCHIVED_SUITES = ["volume_bf16_fp32mm_2026-11-25.json"]
 """Earlier runs of the suite kept on the page below the newest, newest first; each JSON's
