@@ -556,41 +556,6 @@ def test_deferral_waits_at_end_of_backward_and_raises_job_errors():
     thread.close()
 
 
-def test_a_continuation_finishes_after_the_next_queued_job_or_at_once_when_none_is_queued():
-    """[Note: pipelined jobs]: job B's first part runs while job A's last collective is in
-    flight; with nothing queued a held job finishes before the thread waits for more."""
-    from zeropp_strategy.comm.comm_thread import CommThread, Continuation
-
-    thread = CommThread()
-    order: list[str] = []
-    gate = threading.Event()
-
-    def pipelined(name: str):
-        def job():
-            order.append(f"{name} starts")
-            return Continuation(lambda: order.append(f"{name} finishes") or name)
-        return job
-
-    thread.submit(gate.wait)  # holds the thread until A, B and C are all queued
-    a, b, c = (thread.submit(pipelined(n)) for n in "ABC")
-    gate.set()
-    assert [f.wait() for f in (a, b, c)] == ["A", "B", "C"]
-    assert order == ["A starts", "B starts", "A finishes", "C starts", "B finishes", "C finishes"]
-
-    alone = thread.submit(pipelined("D"))  # nothing after it: finished without a later submit
-    assert alone.wait() == "D" and order[-2:] == ["D starts", "D finishes"]
-
-    def fails():
-        raise RuntimeError("the cross-node hop failed")
-
-    failing = thread.submit(lambda: Continuation(fails))
-    plain = thread.submit(lambda: 5)
-    with pytest.raises(RuntimeError, match="the cross-node hop failed"):
-        failing.wait()
-    assert plain.wait() == 5
-    assert thread.close(timeout=10)
-
-
 def test_deferrable_only_when_fsdp_merely_views_the_output():
     from zeropp_strategy.comm.collectives import deferrable
 

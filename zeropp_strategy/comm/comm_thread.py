@@ -16,16 +16,6 @@ Two rules keep this deadlock-free:
 
 An exception in a job fails its future; DDP raises it from backward on this rank, and the
 peers' matching collectives fail with the broken connection.
-
-[Note: pipelined jobs]
-A job may return a ``Continuation``: its last collective is in flight (issued with
-``async_op``), and ``finish()`` waits for it and completes the job. The thread then runs
-the next queued job before finishing that one, so the next job's local work (quantizing,
-its intra-node hop) overlaps the first job's bytes on the wire; with nothing queued it
-finishes at once, so a future never waits on a job submitted later. At most one job is
-held, and the future gets the result of ``finish()``. Every rank issues each group's
-collectives in the same order as before (a held job issues none of its own when it
-finishes), so the order rule above holds whatever each rank's timing.
 """
 
 from __future__ import annotations
@@ -43,7 +33,7 @@ import torch.distributed as dist
 from zeropp_strategy.comm.hierarchical import NodeGroups
 from zeropp_strategy.topology import Topology
 
-__all__ = ["BackwardDeferral", "CommThread", "Continuation", "ThreadGroups", "close_all"]
+__all__ = ["BackwardDeferral", "CommThread", "ThreadGroups", "close_all"]
 
 _LIVE: weakref.WeakSet[CommThread] = weakref.WeakSet()  # for close_all at exit
 
@@ -68,36 +58,6 @@ class ThreadGroups:
         return cls(world=world, nodes=NodeGroups(topology, intra_group=intra, inter_group=inter))
 
 
-class Continuation:
-    """What a job returns while its last collective is in flight ([Note: pipelined jobs]):
-    ``finish()`` waits for it and returns the job's result."""
-
-    __slots__ = ("finish",)
-
-    def __init__(self, finish: Callable[[], Any]) -> None:
-        self.finish = finish
-
-
-def _settle(future: torch.futures.Future, step: Callable[[], Any]) -> Any:
-    """Run ``step``; its result or exception goes to ``future`` unless it is a Continuation,
-    which is returned for the thread to hold."""
-    try:
-        result = step()
-    except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
-        future.set_exception(e)
-        return None
-    if isinstance(result, Continuation):
-        return result
-    future.set_result(result)
-    return None
-
-
-def _finish(held: tuple[Continuation, torch.futures.Future]) -> None:
-    continuation, future = held
-    if _settle(future, continuation.finish) is not None:
-        future.set_exception(TypeError("a Continuation's finish() returned another Continuation"))
-
-
 class CommThread:
     """Runs submitted jobs one at a time, in order, on a daemon thread (started lazily)."""
 
@@ -119,24 +79,18 @@ class CommThread:
         return future
 
     def _run(self) -> None:
-        held: tuple[Continuation, torch.futures.Future] | None = None  # [Note: pipelined jobs]
-        while True:
-            if held is not None and self._jobs.empty():  # nothing to overlap it with: finish it now
-                _finish(held)
-                held = None
-            if (item := self._jobs.get()) is None:
-                break
+        while (item := self._jobs.get()) is not None:
             job, future = item
             item = None  # noqa: F841 - nothing of a finished job may stay alive until the next one
-            continuation = _settle(future, job)
-            if held is not None:  # the next job is under way: now the held one
-                _finish(held)
-            held = None if continuation is None else (continuation, future)
+            try:
+                result = job()
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+                future.set_exception(e)
+            else:
+                future.set_result(result)
             # The job's closure holds its buffers (the root group's whole reduce-scatter input
             # at the end of backward: 4 P_root bytes); idle, this thread must hold none of them.
-            job = future = continuation = None  # noqa: F841
-        if held is not None:
-            _finish(held)
+            job = future = result = None  # noqa: F841
 
     def close(self, timeout: float | None = None) -> bool:
         """Let queued jobs finish, then stop the thread (a later ``submit`` starts a new

@@ -98,7 +98,7 @@ from zeropp_strategy.comm.collectives import (
     param_gather_kind,
     tensor_bytes,
 )
-from zeropp_strategy.comm.comm_thread import BackwardDeferral, Continuation
+from zeropp_strategy.comm.comm_thread import BackwardDeferral
 from zeropp_strategy.comm import feedback as kept_errors
 from zeropp_strategy.comm.feedback import ErrorFeedback
 from zeropp_strategy.comm.hierarchical import NodeGroups, all_gather, finish_work, native_all_gather
@@ -325,17 +325,13 @@ class HierarchicalQuantReduceScatter(EmptyAlloc, ReduceScatter):
         if self.plain.defer(ranks, output_tensor, op, lambda g: self._quantized(
                 output_tensor, input_tensor, op, g.nodes.intra_group, g.nodes.inter_group)):
             return None
-        pending = self._quantized(output_tensor, input_tensor, op, self.intra_group, self.inter_group)
-        if pending is not None:
-            pending.finish()
+        self._quantized(output_tensor, input_tensor, op, self.intra_group, self.inter_group)
         return None
 
     def _quantized(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, op: dist.ReduceOp,
-                   intra_group: dist.ProcessGroup, inter_group: dist.ProcessGroup) -> Continuation | None:
+                   intra_group: dist.ProcessGroup, inter_group: dist.ProcessGroup) -> None:
         """The two quantized hops of [Note: qgZ], over the given node groups (the comm
-        thread's own when deferred). With several nodes the cross-node hop is left in flight:
-        the returned Continuation's ``finish()`` waits for it and writes ``output_tensor``
-        ([Note: pipelined jobs] in comm/comm_thread.py)."""
+        thread's own when deferred)."""
         topo = self.topology
         s = output_tensor.numel()
         M, L, B, bits, bits1 = topo.num_nodes, topo.ranks_per_node, self.block_elems, self.bits, self.intra_bits
@@ -403,30 +399,21 @@ class HierarchicalQuantReduceScatter(EmptyAlloc, ReduceScatter):
             )
             recv2 = torch.empty_like(send2)
             self._book(step=2, seg_bytes=chunk_q, out_bytes=0)
-            # the work holds its two tensors until it completes; finish's closure holds the work
-            work = dist.all_to_all_single(recv2, send2.contiguous(), group=inter_group, async_op=True)
-
-            def finish() -> None:
-                work.wait()
-                total = dequant_reduce_quantize(
-                    recv2[:, :code_bytes].reshape(-1).view(codes_as),
-                    _scales_from_wire(recv2[:, code_bytes:], self.scale_bits),
-                    sources=M,
-                    numel=s_pad,
-                    block_elems=B,
-                    bits=bits,
-                    requantize=False,
-                )
-                self._write(output_tensor, total[:s], op)
-
-            return Continuation(finish)
-        self._write(output_tensor, total[:s], op)
-        return None
-
-    def _write(self, output_tensor: torch.Tensor, total: torch.Tensor, op: dist.ReduceOp) -> None:
+            dist.all_to_all_single(recv2, send2.contiguous(), group=inter_group)
+            total = dequant_reduce_quantize(
+                recv2[:, :code_bytes].reshape(-1).view(codes_as),
+                _scales_from_wire(recv2[:, code_bytes:], self.scale_bits),
+                sources=M,
+                numel=s_pad,
+                block_elems=B,
+                bits=bits,
+                requantize=False,
+            )
+        total = total[:s]
         if op == dist.ReduceOp.AVG:
-            total = total / self.topology.world_size
+            total = total / topo.world_size
         output_tensor.copy_(total.view_as(output_tensor))
+        return None
 
     def _book(self, *, step: int, seg_bytes: int, out_bytes: int) -> None:
         """Step 1 sends one segment to each node peer; step 2 one chunk to each other node.
