@@ -58,8 +58,8 @@ PARTS = {
                                                                 ("zeropp", "~unlimited"),
                                                                 ("zeropp_delta", "~unlimited"))]),
     # the comm thread's jobs pipelined (2026-11-29, tried and reverted): this checkout's package against the one in
-    # --before-root, at 50 Mbit/s and with no limit. Measured from a checkout of ba78585 (the pipelined jobs) with
-    # 9c654b0's package in --before-root (docs/zeropp_measurements.md, "The comm thread's jobs pipelined")
+    # --before-root, at 50 Mbit/s and with no limit. Measured with ba78585's changes (the pipelined jobs) as this
+    # package and 9c654b0's in --before-root (docs/zeropp_measurements.md, "The comm thread's jobs pipelined")
     "comm_pipeline": ("50mbit", ["small"], [f"{system}{variant}{rate}" for rate in ("", "~unlimited")
                                             for system in ("zeropp", "zeropp_delta") for variant in ("", "@before")]),
 }
