@@ -51,8 +51,8 @@ PARTS = {
     "delta_base_medium": ("unlimited", ["medium"], ["ddp", "fsdp2", "zeropp", "zeropp_delta", "zeropp~50mbit",
                                                     "zeropp_delta~50mbit"]),
     # more or fewer tokens per step (2026-11-29): "name*B" runs with a micro-batch of B sequences of 128 per
-    # rank (the parts above: 4). Compute per step scales with B, the bytes do not, so B moves where the two
-    # 50 Mbit/s targets (at most 1.2x its own unlimited step, at most 0.6x zeropp's) can both hold
+    # rank (the parts above: 4). Compute per step scales with B, the bytes do not, so B moves the two 50 Mbit/s
+    # ratios (at most 1.2x its own unlimited step, at most 0.6x zeropp's) against each other; no B met both
     "delta_tokens": ("50mbit", ["small"], [f"{system}*{batch}{rate}" for batch in (1, 2, 4, 16)
                                            for system, rate in (("zeropp", ""), ("zeropp_delta", ""),
                                                                 ("zeropp", "~unlimited"),
@@ -86,7 +86,7 @@ class CellName(NamedTuple):
     rate: str | None  # "~RATE": at RATE instead of the part's rate, in the same rounds
 
 
-_CELL_NAME = re.compile(r"(?P<name>[a-z0-9_]+)(?:#(?P<buckets>\d+))?(?:\*(?P<batch>\d+))?(?P<before>@before)?"
+_CELL_NAME = re.compile(r"(?P<name>[a-z0-9_]+)(?:#(?P<buckets>[1-9]\d*))?(?:\*(?P<batch>[1-9]\d*))?(?P<before>@before)?"
                         r"(?:~(?P<rate>[a-z0-9]+))?")
 
 

@@ -298,6 +298,6 @@ def test_every_part_cell_parses_and_a_suffix_out_of_order_is_refused():
             parse_cell(system)
     assert parse_cell("zeropp_stage_1#4*2@before~50mbit") == CellName("zeropp_stage_1", 4, 2, True, "50mbit")
     assert parse_cell("zeropp_delta*16~unlimited") == CellName("zeropp_delta", None, 16, False, "unlimited")
-    for wrong in ("zeropp@before*4", "zeropp*4#2", "zeropp~unlimited*4", "zeropp*"):
+    for wrong in ("zeropp@before*4", "zeropp*4#2", "zeropp~unlimited*4", "zeropp*", "zeropp*0", "zeropp#0"):
         with pytest.raises(ValueError, match="name#N\\*B@before~RATE"):
             parse_cell(wrong)
