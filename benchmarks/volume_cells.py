@@ -62,6 +62,11 @@ PARTS = {
     # package and 9c654b0's in --before-root (docs/zeropp_measurements.md, "The comm thread's jobs pipelined")
     "comm_pipeline": ("50mbit", ["small"], [f"{system}{variant}{rate}" for rate in ("", "~unlimited")
                                             for system in ("zeropp", "zeropp_delta") for variant in ("", "@before")]),
+    # the link rate swept (2026-11-29): the two presets at 100, 50, 25 and 12 Mbit/s and with no limit, in the same
+    # rounds, to find where halving the bytes shows as time on this machine (at 50 Mbit/s the compute does not let it)
+    "delta_rates": ("50mbit", ["small"], [f"{system}{rate}" for rate in ("~100mbit", "", "~25mbit", "~12mbit",
+                                                                         "~unlimited")
+                                          for system in ("zeropp", "zeropp_delta")]),
 }
 PART_FILES = {"stage1": "volume_stage1_async.json", "sizes": "volume_sizes_1gbit.json",
               "4bit_50mbit": "volume_4bit_50mbit.json", "4bit_unlimited": "volume_4bit_unlimited.json",
@@ -69,7 +74,8 @@ PART_FILES = {"stage1": "volume_stage1_async.json", "sizes": "volume_sizes_1gbit
               "delta_200mbit": "volume_delta_200mbit.json", "grad_int8": "volume_grad_int8.json",
               "loco": "volume_loco.json", "loco_pieces": "volume_loco_pieces.json",
               "delta_base": "volume_delta_base.json", "delta_base_medium": "volume_delta_base_medium.json",
-              "delta_tokens": "volume_delta_tokens.json", "comm_pipeline": "volume_comm_pipeline.json"}
+              "delta_tokens": "volume_delta_tokens.json", "comm_pipeline": "volume_comm_pipeline.json",
+              "delta_rates": "volume_delta_rates.json"}
 SUITE_FILES = {"fp32": "volume_bf16_fp32mm.json", "native": "volume_bf16.json"}  # by --bf16-matmul
 ARCHIVED_SUITES = ["volume_bf16_fp32mm_2026-11-25.json"]
 """Earlier runs of the suite kept on the page below the newest, newest first; each JSON's
