@@ -18,7 +18,10 @@ the warm-up, with our own timestamps (``time.perf_counter``):
 - waiting: the part of that in which the training thread was blocked in ``wait()``;
 - reduce-scatter: the gradient reduce-scatter call (on the host it returns at once where it
   is deferred, [Note: deferred reduce-scatter]), and the wait for the deferred ones at the
-  end of backward.
+  end of backward;
+- comm thread: each deferred job on the comm thread ([Note: comm thread]) from start to end,
+  and within it qgZ's cross-node hop (the all-to-all on the thread's inter-node group): the
+  gaps between those hops are the link's idle time while gradients are due.
 
 The comm objects are wrapped after set-up (``set_custom_all_gather`` again, delegating to
 ours), so the product code carries no tracing. Writes the PNG and a JSON of the intervals.
@@ -132,6 +135,31 @@ def worker(system: str, out: Path, trace_step: int, steps: int, bf16_matmul: str
                     add("reduce-scatter", "end of backward", a, time.perf_counter())
 
                 deferral.wait_all = timed_wait_all
+                # the comm thread's lanes: each deferred job, and within it qgZ's cross-node hop (the
+                # all-to-all on the thread's inter-node group), to see the link's idle time between hops
+                inner_submit, inter = deferral.thread.submit, deferral.groups.nodes.inter_group
+
+                def timed_submit(job):  # noqa: ANN001, ANN202
+                    def timed():  # noqa: ANN202
+                        a = time.perf_counter()
+                        try:
+                            return job()
+                        finally:
+                            add("comm thread: job", "job", a, time.perf_counter())
+
+                    return inner_submit(timed)
+
+                deferral.thread.submit = timed_submit
+                inner_a2a = dist.all_to_all_single
+
+                def timed_a2a(output, input, *rest, group=None, async_op=False, **kw):  # noqa: A002, ANN001, ANN202
+                    a = time.perf_counter()
+                    work = inner_a2a(output, input, *rest, group=group, async_op=async_op, **kw)
+                    if group is inter and not async_op:
+                        add("comm thread: across nodes", "hop 2", a, time.perf_counter())
+                    return work
+
+                dist.all_to_all_single = timed_a2a
             names = {id(b): f"h{i}" for i, b in enumerate(pl_module.model.transformer.h)}
             for m in trainer.strategy.model.modules():
                 if isinstance(m, FSDPModule):
@@ -173,8 +201,10 @@ def render(traces: list[dict], png: Path, rate: str, bf16_matmul: str = "fp32") 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    lanes = ["compute", "all-gather in flight", "waiting", "reduce-scatter"]
-    colors = {"compute": "#4c72b0", "all-gather in flight": "#dd8452", "waiting": "#c44e52", "reduce-scatter": "#55a868"}
+    lanes = ["compute", "all-gather in flight", "waiting", "reduce-scatter", "comm thread: job",
+             "comm thread: across nodes"]
+    colors = {"compute": "#4c72b0", "all-gather in flight": "#dd8452", "waiting": "#c44e52",
+              "reduce-scatter": "#55a868", "comm thread: job": "#8172b3", "comm thread: across nodes": "#937860"}
     fig, axes = plt.subplots(len(traces), 1, figsize=(11, 2.3 * len(traces)), squeeze=False)
     for ax, trace in zip(axes[:, 0], traces):
         step = next((e for e in trace["events"] if e[0] == "step"), None)
