@@ -174,6 +174,8 @@ def worker(system: str, out: Path, trace_step: int, steps: int, bf16_matmul: str
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
             recording["on"] = batch_idx == trace_step
             t0["t"] = time.perf_counter()
+            if recording["on"]:
+                t0["traced"] = t0["t"]
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
             if batch_idx == trace_step:
@@ -191,8 +193,11 @@ def worker(system: str, out: Path, trace_step: int, steps: int, bf16_matmul: str
 
     with matmul_mode(bf16_matmul):
         trainer.fit(GPT())
-    if dist.get_rank() == 0:
-        out.write_text(json.dumps({"system": system, "events": events}))
+    # every rank writes its own step (and the monotonic clock at its start, shared by the host's processes, so
+    # that main() can put the ranks on rank 0's time base); rank 0's file is the trace
+    rank = dist.get_rank()
+    path = out if rank == 0 else out.with_name(f"{out.stem}.rank{rank}.json")
+    path.write_text(json.dumps({"system": system, "rank": rank, "t0": t0["traced"], "events": events}))
 
 
 def render(traces: list[dict], png: Path, rate: str, bf16_matmul: str = "fp32") -> None:
@@ -249,11 +254,42 @@ def main() -> None:
                               nproc_per_node=2, timeout_s=600, env={"PYTHONPATH": str(ROOT)})
             if not out.exists():
                 raise SystemExit(f"{system} failed: {res.returncodes}\n" + "\n".join(o[-3000:] for o in res.outputs))
-            traces.append(json.loads(out.read_text()))
+            traces.append(with_peers(out))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"rate": args.rate, "bf16_matmul": args.bf16_matmul, "traces": traces}))
     render(traces, args.png, args.rate, args.bf16_matmul)
+    for trace in traces:
+        print(hop_table(trace))
     print(f"wrote {args.png} and {args.json}")
+
+
+PEER_LANES = ("comm thread: job", "comm thread: across nodes")
+
+
+def with_peers(out: Path) -> dict:
+    """Rank 0's trace, with the other ranks' comm-thread lanes under ``peers`` (rank -> events),
+    moved to rank 0's time base."""
+    trace = json.loads(out.read_text())
+    trace["peers"] = {}
+    for path in sorted(out.parent.glob(f"{out.stem}.rank*.json")):
+        peer = json.loads(path.read_text())
+        shift = peer["t0"] - trace["t0"]
+        trace["peers"][str(peer["rank"])] = [[lane, label, a + shift, b + shift]
+                                             for lane, label, a, b in peer["events"] if lane in PEER_LANES]
+    return trace
+
+
+def hop_table(trace: dict) -> str:
+    """Per gradient job, when each rank entered qgZ's cross-node hop and how long it took there
+    (seconds from rank 0's step start): a late peer shows as its partner's long hop."""
+    ranks = {"0": [e for e in trace["events"] if e[0] == PEER_LANES[1]], **{
+        r: [e for e in ev if e[0] == PEER_LANES[1]] for r, ev in trace.get("peers", {}).items()}}
+    ranks = {r: sorted(ev, key=lambda e: e[2]) for r, ev in sorted(ranks.items())}
+    lines = [f"{trace['system']}: qgZ's cross-node hop per job, rank: entered at (took) s"]
+    for job in range(max((len(ev) for ev in ranks.values()), default=0)):
+        cells = [f"{r}: {ev[job][2]:.3f} ({ev[job][3] - ev[job][2]:.3f})" for r, ev in ranks.items() if job < len(ev)]
+        lines.append(f"  job {job + 1}  " + "  ".join(cells))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
