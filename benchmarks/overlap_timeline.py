@@ -23,8 +23,14 @@ the warm-up, with our own timestamps (``time.perf_counter``):
   and within it qgZ's cross-node hop (the all-to-all on the thread's inter-node group): the
   gaps between those hops are the link's idle time while gradients are due.
 
+The other ranks record the same step; their comm-thread lanes go into the JSON under
+``peers``, moved to rank 0's time base (``perf_counter`` is the host's monotonic clock, which
+the namespaces share), and a table per job prints when each rank entered the cross-node hop
+and how long it stayed: a rank that waits for a late peer shows a long hop.
+
 The comm objects are wrapped after set-up (``set_custom_all_gather`` again, delegating to
-ours), so the product code carries no tracing. Writes the PNG and a JSON of the intervals.
+ours), so the product code carries no tracing. Writes the PNG (rank 0) and a JSON of the
+intervals.
 """
 
 from __future__ import annotations
