@@ -176,10 +176,13 @@ def render(data: dict) -> str:
     for system in MEMORY:
         # the bytes of its 200 Mbit/s cell, else of the first timed cell that ran it (the ledger's do
         # not depend on the rate; the veth's, for DDP, include the link's retransmissions)
-        key = next((k for k in [f"200mbit/{system}", *measured] if k.endswith(f"/{system}")
+        key = next((k for k in [f"200mbit/{system}", *measured] if k.split("/", 1)[1] == system
                     and "step_s" in measured.get(k, {})), None)
         m, mem = (measured[key] if key else {}), data.get("memory", {})
-        p = plan[key] if key else next(v for k, v in plan.items() if k.endswith(f"/{system}"))
+        p = plan[key] if key else next((v for k, v in plan.items() if k.split("/", 1)[1] == system), None)
+        if p is None:
+            lines.append(f"| {system} | no timed cell in CELLS | | |")
+            continue
         if m.get("ledger"):
             inter = f"{m['ledger'] / MB:.2f} / {p['inter_bytes'] / MB:.2f} ({p['inter_bytes'] / m['ledger']:.3f})"
         elif "veth" in m:  # Lightning's DDP keeps no ledger: the veth's bytes, TCP/IP headers included
