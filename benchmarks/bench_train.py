@@ -36,6 +36,13 @@ Measured per cell (rank 0 writes ``--out`` as JSON):
   a real interface; median over the measured steps;
 - ledger bytes per step (ours only): the CommLedger's inter-node bytes summed over ranks,
   by collective kind, mean over the measured steps;
+- CPU per step, every rank, medians over the measured steps: the process's CPU time (all its
+  threads, ``time.process_time``), the part of it in the kernel (``getrusage``'s system
+  time: socket copies, and on the simulated cluster the shaped veth's packet work), and the
+  training thread's run-queue delay (time runnable but waiting for a core, from
+  ``/proc/thread-self/schedstat``). With R ranks on C cores a step takes at least (the
+  ranks' CPU summed) / C, whatever the link (docs/zeropp_measurements.md, "What the 2 cores
+  allow");
 - loss: mean of the last 3 steps' training loss (rank 0's micro-batch);
 - peak RSS of every rank (ru_maxrss);
 - Lightning systems: every rank's model states after step ``STATES_STEP`` (storage bytes of
@@ -148,6 +155,17 @@ def loader(batch: int) -> DataLoader:
     return DataLoader(data, batch_size=batch, sampler=sampler)
 
 
+def thread_stat() -> tuple[float, float]:
+    """The calling thread's CPU time and run-queue delay so far, in seconds (the first two
+    fields of ``/proc/thread-self/schedstat``: time on a core, and time runnable but waiting
+    for one); zeros where the kernel has none."""
+    try:
+        cpu, runq = Path("/proc/thread-self/schedstat").read_text().split()[:2]
+    except OSError:
+        return 0.0, 0.0
+    return int(cpu) / 1e9, int(runq) / 1e9
+
+
 class Meter:
     """Step-end timestamps, veth counters and (ours) ledger bytes, on every rank."""
 
@@ -159,6 +177,9 @@ class Meter:
         self.veth: list[int] = []
         self.ledger: list[dict[str, int]] = []
         self.losses: list[float] = []
+        # at each step end: the process's CPU time (every thread), its system part, and the
+        # training thread's run-queue delay
+        self.cpu: list[tuple[float, float, float]] = []
         self.model_states: dict[str, int] = {}  # Lightning systems: bytes this rank holds
         self.activation_bytes: int | None = None
 
@@ -171,6 +192,7 @@ class Meter:
         self.times.append(time.perf_counter())
         self.veth.append(self.veth_bytes())
         self.losses.append(loss)
+        self.cpu.append((time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_stime, thread_stat()[1]))
         if ledger is not None:
             from zeropp_strategy.comm.ledger import CommKind
 
@@ -182,7 +204,9 @@ class Meter:
         veth = [b - a for a, b in zip(self.veth[warmup:], self.veth[warmup + 1 :])]
         measured = self.ledger[warmup + 1 :]
         by_kind = {k: statistics.mean(d[k] for d in measured) for k in measured[0]} if measured else {}
+        cpu = [[b - a for a, b in zip(x, y)] for x, y in zip(self.cpu[warmup:], self.cpu[warmup + 1 :])]
         return {
+            "cpu_s_per_step": [statistics.median(c[i] for c in cpu) for i in range(3)],
             "step_s": statistics.median(step_s),
             "step_s_all": step_s,
             "veth_bytes_per_step": statistics.median(veth) if self.stats else None,
@@ -351,7 +375,8 @@ def main() -> None:
     # Every rank's RSS and ledger bytes; the link carries the sum of what all ranks send.
     per_rank = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, (result["peak_rss_bytes"], result["ledger_inter_bytes_per_step_by_kind"],
-                                      result.pop("model_states"), result.pop("activation_bytes")))
+                                      result.pop("model_states"), result.pop("activation_bytes"),
+                                      result.pop("cpu_s_per_step")))
     rank = dist.get_rank()
     dist.barrier()
     dist.destroy_process_group()  # every system the same way: no gloo teardown at interpreter exit
@@ -368,6 +393,9 @@ def main() -> None:
         ledger_inter_bytes_per_step_by_kind={k: sum(p[1][k] for p in per_rank) for k in kinds},
         model_states_per_rank=[p[2] for p in per_rank],
         activation_bytes_per_rank=[p[3] for p in per_rank],
+        # per rank: [process CPU, its system time, the training thread's run-queue delay] per step
+        cpu_s_per_step_per_rank=[p[4] for p in per_rank],
+        cores=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
     )
     result["ledger_inter_bytes_per_step"] = sum(result["ledger_inter_bytes_per_step_by_kind"].values()) if kinds else None
     del result["peak_rss_bytes"]

@@ -28,6 +28,12 @@ The other ranks record the same step; their comm-thread lanes go into the JSON u
 the namespaces share), and a table per job prints when each rank entered the cross-node hop
 and how long it stayed: a rank that waits for a late peer shows a long hop.
 
+Each rank also reads the kernel's per-thread scheduler counters (``/proc/thread-self/schedstat``:
+CPU time, and run-queue delay, the time a thread was runnable but waited for a core) over
+each comm-thread job and over the step for its training thread, and its process's CPU time
+over the step (every thread). A second table prints them per rank: where 4 ranks share 2
+cores, a job whose run-queue delay is most of its time was starved of CPU, not of link.
+
 The comm objects are wrapped after set-up (``set_custom_all_gather`` again, delegating to
 ours), so the product code carries no tracing. Writes the PNG (rank 0) and a JSON of the
 intervals.
@@ -53,7 +59,7 @@ def worker(system: str, out: Path, trace_step: int, steps: int, bf16_matmul: str
     from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
     from torch.distributed.fsdp import FSDPModule
 
-    from benchmarks.bench_train import gpt2, loader, ours_fields
+    from benchmarks.bench_train import gpt2, loader, ours_fields, thread_stat
     from zeropp_strategy import ZeroPPStrategy
     from zeropp_strategy.comm.collectives import AllGather, EmptyAlloc, ReduceScatter
 
@@ -65,6 +71,15 @@ def worker(system: str, out: Path, trace_step: int, steps: int, bf16_matmul: str
     def add(lane: str, label: str, a: float, b: float) -> None:
         if recording["on"]:
             events.append((lane, label, a - t0["t"], b - t0["t"]))
+
+    # (thread, label, start, end, cpu_s, runq_s): the scheduler's view of a span (bench_train.thread_stat;
+    # a process's run-queue delay, summed over its 40-odd threads, is left at 0: it says nothing)
+    threads: list[tuple[str, str, float, float, float, float]] = []
+
+    def add_thread(thread: str, label: str, a: float, b: float, before: tuple[float, float],
+                   after: tuple[float, float]) -> None:
+        if recording["on"]:
+            threads.append((thread, label, a - t0["t"], b - t0["t"], after[0] - before[0], after[1] - before[1]))
 
     class TimedWork(dist.Work):
         def __init__(self, inner: dist.Work, issued: float, label: str) -> None:
@@ -147,11 +162,13 @@ def worker(system: str, out: Path, trace_step: int, steps: int, bf16_matmul: str
 
                 def timed_submit(job):  # noqa: ANN001, ANN202
                     def timed():  # noqa: ANN202
-                        a = time.perf_counter()
+                        a, before = time.perf_counter(), thread_stat()
                         try:
                             return job()
                         finally:
-                            add("comm thread: job", "job", a, time.perf_counter())
+                            b = time.perf_counter()
+                            add("comm thread: job", "job", a, b)
+                            add_thread("comm", "job", a, b, before, thread_stat())
 
                     return inner_submit(timed)
 
@@ -182,10 +199,14 @@ def worker(system: str, out: Path, trace_step: int, steps: int, bf16_matmul: str
             t0["t"] = time.perf_counter()
             if recording["on"]:
                 t0["traced"] = t0["t"]
+                t0["main"], t0["process"] = thread_stat(), (time.process_time(), 0.0)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
             if batch_idx == trace_step:
-                add("step", "step", t0["t"], time.perf_counter())
+                b = time.perf_counter()
+                add("step", "step", t0["t"], b)
+                add_thread("main", "step", t0["t"], b, t0["main"], thread_stat())
+                add_thread("process", "step", t0["t"], b, t0["process"], (time.process_time(), 0.0))
                 recording["on"] = False
 
     nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
@@ -203,7 +224,8 @@ def worker(system: str, out: Path, trace_step: int, steps: int, bf16_matmul: str
     # that main() can put the ranks on rank 0's time base); rank 0's file is the trace
     rank = dist.get_rank()
     path = out if rank == 0 else out.with_name(f"{out.stem}.rank{rank}.json")
-    path.write_text(json.dumps({"system": system, "rank": rank, "t0": t0["traced"], "events": events}))
+    path.write_text(json.dumps({"system": system, "rank": rank, "t0": t0["traced"], "events": events,
+                                "threads": threads}))
 
 
 def render(traces: list[dict], png: Path, rate: str, bf16_matmul: str = "fp32") -> None:
@@ -266,6 +288,7 @@ def main() -> None:
     render(traces, args.png, args.rate, args.bf16_matmul)
     for trace in traces:
         print(hop_table(trace))
+        print(cpu_table(trace))
     print(f"wrote {args.png} and {args.json}")
 
 
@@ -276,12 +299,14 @@ def with_peers(out: Path) -> dict:
     """Rank 0's trace, with the other ranks' comm-thread lanes under ``peers`` (rank -> events),
     moved to rank 0's time base."""
     trace = json.loads(out.read_text())
-    trace["peers"] = {}
+    trace["peers"], trace["peer_threads"] = {}, {}
     for path in sorted(out.parent.glob(f"{out.stem}.rank*.json")):
         peer = json.loads(path.read_text())
         shift = peer["t0"] - trace["t0"]
         trace["peers"][str(peer["rank"])] = [[lane, label, a + shift, b + shift]
                                              for lane, label, a, b in peer["events"] if lane in PEER_LANES]
+        trace["peer_threads"][str(peer["rank"])] = [[thread, label, a + shift, b + shift, *stat]
+                                                    for thread, label, a, b, *stat in peer.get("threads", [])]
     return trace
 
 
@@ -295,6 +320,24 @@ def hop_table(trace: dict) -> str:
     for job in range(max((len(ev) for ev in ranks.values()), default=0)):
         cells = [f"{r}: {ev[job][2]:.3f} ({ev[job][3] - ev[job][2]:.3f})" for r, ev in ranks.items() if job < len(ev)]
         lines.append(f"  job {job + 1}  " + "  ".join(cells))
+    return "\n".join(lines)
+
+
+def cpu_table(trace: dict) -> str:
+    """Per rank, the scheduler's view of the traced step: the process's CPU seconds (every
+    thread), the training thread's CPU and run-queue delay, and per comm-thread job its time,
+    CPU and run-queue delay. A job that waited for a core shows a run-queue delay near its time."""
+    ranks = {"0": trace.get("threads", []), **trace.get("peer_threads", {})}
+    lines = [f"{trace['system']}: per rank, seconds: time / CPU / waiting for a core"]
+    for r, rows in sorted(ranks.items()):
+        by = {t: [row for row in rows if row[0] == t] for t in ("process", "main", "comm")}
+        if not by["process"]:
+            continue
+        (_, _, a, b, cpu, _), (_, _, _, _, mcpu, mq) = by["process"][0], by["main"][0]
+        jobs = "  ".join(f"{jb - ja:.3f}/{jc:.3f}/{jq:.3f}"
+                         for _, _, ja, jb, jc, jq in sorted(by["comm"], key=lambda x: x[2]))
+        lines.append(f"  rank {r}: step {b - a:.3f}, process CPU {cpu:.3f}; training thread {mcpu:.3f}/{mq:.3f}; "
+                     f"comm jobs {jobs}")
     return "\n".join(lines)
 
 

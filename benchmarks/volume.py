@@ -176,12 +176,19 @@ def _run_round(args: argparse.Namespace, cluster: object, cells: dict, cell_rate
     return results
 
 
-RUN_FIELDS = ("step_s", "step_s_all", "veth_bytes_per_step", "loss", "load_avg_1min_at_start", "error")
+RUN_FIELDS = ("step_s", "step_s_all", "veth_bytes_per_step", "loss", "load_avg_1min_at_start",
+              "cpu_s_per_step_per_rank", "cores", "error")
 
 
 def _run_record(cell: dict) -> dict:
     """What a results JSON keeps of one run of a cell."""
     return {k: cell[k] for k in RUN_FIELDS if k in cell}
+
+
+def cpu_bound_s(run: dict) -> float:
+    """The shortest step the run's CPU work allows: every rank's CPU seconds per step, summed,
+    over the cores they share (the simulated cluster's ranks all run on this machine)."""
+    return sum(cpu for cpu, _, _ in run["cpu_s_per_step_per_rank"]) / run["cores"]
 
 
 def _summarize(runs: dict[str, list[dict]], skipped: dict[str, str]) -> dict:
@@ -205,6 +212,8 @@ def _summarize(runs: dict[str, list[dict]], skipped: dict[str, str]) -> dict:
                 "load_avg_1min_at_start": [c["load_avg_1min_at_start"] for c in ok],
                 "failed_runs": len(cell_runs) - len(ok),
             }
+            if all(c.get("cpu_s_per_step_per_rank") for c in ok):  # runs before 2026-11-30 have none
+                cells[key]["cpu_bound_s_runs"] = [cpu_bound_s(c) for c in ok]
     return cells
 
 

@@ -67,6 +67,9 @@ PARTS = {
     "delta_rates": ("50mbit", ["small"], [f"{system}{rate}" for rate in ("~100mbit", "", "~25mbit", "~12mbit",
                                                                          "~unlimited")
                                           for system in ("zeropp", "zeropp_delta")]),
+    # issue 35's two 50 Mbit/s targets in the same rounds, with every rank's CPU time per step:
+    # the shortest step the 2 cores allow each cell, beside its step
+    "delta_cpu": ("50mbit", ["small"], ["zeropp", "zeropp_delta", "zeropp~unlimited", "zeropp_delta~unlimited"]),
 }
 PART_FILES = {"stage1": "volume_stage1_async.json", "sizes": "volume_sizes_1gbit.json",
               "4bit_50mbit": "volume_4bit_50mbit.json", "4bit_unlimited": "volume_4bit_unlimited.json",
@@ -75,7 +78,7 @@ PART_FILES = {"stage1": "volume_stage1_async.json", "sizes": "volume_sizes_1gbit
               "loco": "volume_loco.json", "loco_pieces": "volume_loco_pieces.json",
               "delta_base": "volume_delta_base.json", "delta_base_medium": "volume_delta_base_medium.json",
               "delta_tokens": "volume_delta_tokens.json", "comm_pipeline": "volume_comm_pipeline.json",
-              "delta_rates": "volume_delta_rates.json"}
+              "delta_rates": "volume_delta_rates.json", "delta_cpu": "volume_delta_cpu.json"}
 SUITE_FILES = {"fp32": "volume_bf16_fp32mm.json", "native": "volume_bf16.json"}  # by --bf16-matmul
 ARCHIVED_SUITES = ["volume_bf16_fp32mm_2026-11-25.json"]
 """Earlier runs of the suite kept on the page below the newest, newest first; each JSON's

@@ -301,3 +301,36 @@ def test_every_part_cell_parses_and_a_suffix_out_of_order_is_refused():
     for wrong in ("zeropp@before*4", "zeropp*4#2", "zeropp~unlimited*4", "zeropp*", "zeropp*0", "zeropp#0"):
         with pytest.raises(ValueError, match="name#N\\*B@before~RATE"):
             parse_cell(wrong)
+
+
+def test_meter_reads_cpu_per_step_and_the_summary_bounds_the_step_by_it():
+    """bench_train's Meter: each step's CPU seconds of the process (a loop that burns 30 ms of
+    CPU per step reads about 30 ms, however busy the machine), its system part and the
+    training thread's run-queue delay; volume's summary turns every rank's CPU into the
+    shortest step the cores allow: the ranks' sum over the cores."""
+    import time
+
+    import pytest
+
+    from benchmarks import volume
+    from benchmarks.bench_train import Meter
+
+    meter = Meter()
+    for _ in range(5):
+        end = time.process_time() + 0.03
+        while time.process_time() < end:
+            pass
+        meter.step_end(1.0)
+    cpu, system, runq = meter.result(warmup=1)["cpu_s_per_step"]
+    assert 0.03 <= cpu <= 0.05
+    assert 0.0 <= system < cpu and runq >= 0.0
+    run = {"step_s": 0.7, "veth_bytes_per_step": 1.0, "loss": 3.0, "load_avg_1min_at_start": 0.5,
+           "cpu_s_per_step_per_rank": [[0.3, 0.1, 0.2], [0.25, 0.1, 0.2], [0.35, 0.1, 0.2], [0.3, 0.1, 0.2]],
+           "cores": 2}
+    assert volume.cpu_bound_s(run) == pytest.approx(0.6)
+    record = volume._run_record({**run, "losses": [3.0]})
+    assert "losses" not in record and record["cores"] == 2
+    older = {k: v for k, v in run.items() if k not in ("cpu_s_per_step_per_rank", "cores")}  # before the CPU fields
+    cells = volume._summarize({"a": [record, record], "b": [older]}, {})
+    assert cells["a"]["cpu_bound_s_runs"] == pytest.approx([0.6, 0.6])
+    assert "cpu_bound_s_runs" not in cells["b"]
