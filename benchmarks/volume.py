@@ -212,7 +212,7 @@ def _summarize(runs: dict[str, list[dict]], skipped: dict[str, str]) -> dict:
                 "load_avg_1min_at_start": [c["load_avg_1min_at_start"] for c in ok],
                 "failed_runs": len(cell_runs) - len(ok),
             }
-            if all(c.get("cpu_s_per_step_per_rank") for c in ok):  # runs before 2026-11-30 have none
+            if all(c.get("cpu_s_per_step_per_rank") for c in ok):  # runs before delta_cpu's (2026-11-29) have none
                 cells[key]["cpu_bound_s_runs"] = [cpu_bound_s(c) for c in ok]
     return cells
 
