@@ -166,8 +166,11 @@ def _run_round(args: argparse.Namespace, cluster: object, cells: dict, cell_rate
         if parsed.before:
             cell_args.package_root = args.before_root
         load = os.getloadavg()[0]
+        # how fast this machine runs the same work right now (about 0.4 s): a cell's CPU seconds
+        # per step move with it from round to round ("What the 2 cores allow")
+        probe = _matmul_ms(calls=100)
         cell = run_cell(cluster, parsed.name, cell_args)
-        cell["load_avg_1min_at_start"] = load
+        cell["load_avg_1min_at_start"], cell["matmul_ms_at_start"] = load, probe
         runs[key].append(_run_record(cell))
         print(f"round {round_ + 1}/{args.repeat} {key}: " + (f"{cell['step_s']:.3f} s/step (load {load:.1f})"
               if "step_s" in cell else f"FAILED {cell.get('error')}"), flush=True)
@@ -177,7 +180,7 @@ def _run_round(args: argparse.Namespace, cluster: object, cells: dict, cell_rate
 
 
 RUN_FIELDS = ("step_s", "step_s_all", "veth_bytes_per_step", "loss", "load_avg_1min_at_start",
-              "cpu_s_per_step_per_rank", "cores", "error")
+              "matmul_ms_at_start", "cpu_s_per_step_per_rank", "cores", "error")
 
 
 def _run_record(cell: dict) -> dict:
@@ -217,9 +220,10 @@ def _summarize(runs: dict[str, list[dict]], skipped: dict[str, str]) -> dict:
     return cells
 
 
-def _matmul_ms() -> dict[str, float]:
+def _matmul_ms(calls: int = 10) -> dict[str, float]:
     """One thread, (512 x 256) @ (256 x 1024), the size of a GPT-2 small MLP matmul: ms per call
-    in fp32 and in bf16. Without native bf16 (AVX-512 BF16, AMX) the bf16 one is emulated."""
+    in fp32 and in bf16, the mean of ``calls``. Without native bf16 (AVX-512 BF16, AMX) the bf16
+    one is emulated."""
     import time
 
     import torch
@@ -230,9 +234,9 @@ def _matmul_ms() -> dict[str, float]:
         a, b = torch.randn(512, 256, dtype=dtype), torch.randn(256, 1024, dtype=dtype)
         a @ b
         start = time.perf_counter()
-        for _ in range(10):
+        for _ in range(calls):
             a @ b
-        out[name] = (time.perf_counter() - start) / 10 * 1e3
+        out[name] = (time.perf_counter() - start) / calls * 1e3
     return out
 
 

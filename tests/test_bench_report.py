@@ -286,6 +286,8 @@ def test_volume_cell_names_carry_batch_buckets_and_package(tmp_path, monkeypatch
     assert set(seen) == {("zeropp", 16, None, None), ("zeropp_delta", 4, None, None),
                          ("zeropp_stage_1", 2, 4, tmp_path / "before")}
     assert all(len(r) == 1 for r in runs.values())
+    # each run keeps the machine's speed just before it (a matmul probe), beside the load
+    assert all(r[0]["matmul_ms_at_start"]["fp32"] > 0 for r in runs.values())
 
 
 def test_every_part_cell_parses_and_a_suffix_out_of_order_is_refused():
