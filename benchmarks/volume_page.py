@@ -290,9 +290,11 @@ def _load_note(cells: dict, rounds: int) -> str:
     loads = [x for c in cells.values() for x in c.get("load_avg_1min_at_start", [])]
     if not loads:
         return ""
-    return (f" The 1-minute load average at the start of the runs was {min(loads):.1f}-{max(loads):.1f}: our "
-            "own 4 ranks on 2 cores account for about 4 of it, and what is above that is the previous cell's "
-            "processes still exiting or other jobs, so absolute times are noisy; each cell ran "
+    return (f" The 1-minute load average at the start of the runs was {min(loads):.1f}-{max(loads):.1f}. It "
+            "counts runnable threads, and each rank runs dozens beside its training thread (43 in a zeropp "
+            "rank, gloo's among them): on a machine running nothing else, this benchmark's own cells took it "
+            "from 1 to about 10 (2026-11-29), "
+            "so it says little about other jobs. Absolute times are noisy; each cell ran "
             f"{rounds} times, in rounds (every cell once per round), and the median and the range of the runs "
             "are shown.")
 
