@@ -38,11 +38,12 @@ Measured per cell (rank 0 writes ``--out`` as JSON):
   by collective kind, mean over the measured steps;
 - CPU per step, every rank, medians over the measured steps: the process's CPU time (all its
   threads, ``time.process_time``), the part of it in the kernel (``getrusage``'s system
-  time: socket copies, and on the simulated cluster the shaped veth's packet work), and the
+  time: system calls such as socket copies, and whatever packet work is charged to it), and the
   training thread's run-queue delay (time runnable but waiting for a core, from
   ``/proc/thread-self/schedstat``). With R ranks on C cores a step takes at least (the
   ranks' CPU summed) / C, whatever the link (docs/zeropp_measurements.md, "What the 2 cores
-  allow");
+  allow"); work not charged to the ranks (softirq packet processing, other processes, a
+  VM's stolen time) is outside that sum;
 - loss: mean of the last 3 steps' training loss (rank 0's micro-batch);
 - peak RSS of every rank (ru_maxrss);
 - Lightning systems: every rank's model states after step ``STATES_STEP`` (storage bytes of

@@ -166,9 +166,9 @@ def _run_round(args: argparse.Namespace, cluster: object, cells: dict, cell_rate
         if parsed.before:
             cell_args.package_root = args.before_root
         load = os.getloadavg()[0]
-        # how fast this machine runs the same work right now (about 0.4 s): a cell's CPU seconds
-        # per step move with it from round to round ("What the 2 cores allow")
-        probe = _matmul_ms(calls=100)
+        # how fast this machine runs a fixed piece of work right now (100 fp32 matmuls, about 0.2-0.4 s),
+        # to set beside a cell's CPU seconds per step (docs/zeropp_measurements.md, "What the 2 cores allow")
+        probe = _matmul_ms(calls=100, dtypes=("fp32",))
         cell = run_cell(cluster, parsed.name, cell_args)
         cell["load_avg_1min_at_start"], cell["matmul_ms_at_start"] = load, probe
         runs[key].append(_run_record(cell))
@@ -220,17 +220,17 @@ def _summarize(runs: dict[str, list[dict]], skipped: dict[str, str]) -> dict:
     return cells
 
 
-def _matmul_ms(calls: int = 10) -> dict[str, float]:
+def _matmul_ms(calls: int = 10, dtypes: tuple[str, ...] = ("fp32", "bf16")) -> dict[str, float]:
     """One thread, (512 x 256) @ (256 x 1024), the size of a GPT-2 small MLP matmul: ms per call
-    in fp32 and in bf16, the mean of ``calls``. Without native bf16 (AVX-512 BF16, AMX) the bf16
-    one is emulated."""
+    in each of ``dtypes`` (fp32, bf16), the mean of ``calls``. Without native bf16 (AVX-512 BF16,
+    AMX) the bf16 one is emulated, and can take 100 times fp32's."""
     import time
 
     import torch
 
     torch.set_num_threads(1)
     out = {}
-    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+    for name, dtype in ((d, {"fp32": torch.float32, "bf16": torch.bfloat16}[d]) for d in dtypes):
         a, b = torch.randn(512, 256, dtype=dtype), torch.randn(256, 1024, dtype=dtype)
         a @ b
         start = time.perf_counter()

@@ -72,4 +72,5 @@ def test_thread_stat_counts_this_threads_cpu():
     while time.thread_time() < end:
         pass
     cpu1, _ = thread_stat()
-    assert cpu1 == cpu0 == 0.0 or 0.029 <= cpu1 - cpu0 <= 0.05  # zeros where the kernel has no schedstat
+    # zeros where the kernel has no schedstat; older kernels may lag the running thread by a tick
+    assert cpu1 == cpu0 == 0.0 or 0.02 <= cpu1 - cpu0 <= 0.05
